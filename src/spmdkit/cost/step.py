@@ -709,10 +709,15 @@ class Reducer:
     other. Megatron-Core DDP: ``max(40M, 1M x dp)`` parameters a bucket; torchtitan: FSDP2
     reduce-scatters each layer's gradients at once (a bucket per layer), its replicate (DDP)
     torch's 1 MiB first bucket then 25 MiB. bf16 gradients are reduced in fp32. Used by
-    :func:`estimate_step` and by the pipeline (:mod:`spmdkit.planner.pipeline`)."""
+    :func:`estimate_step` and by the pipeline (:mod:`spmdkit.planner.pipeline`). ``hbm_rate``
+    (FSDP2 frameworks): each reduce-scatter's copy-in (``foreach_reduce_scatter_copy_in``: its
+    gradients read, its reduce-dtype input written) runs on the compute stream from the time its
+    launch is seen, before the collective; ``blocked`` sums those seconds until the caller takes them."""
 
-    def __init__(self, plan: Plan, single: bool = False) -> None:
+    def __init__(self, plan: Plan, single: bool = False, hbm_rate: float = 0.0) -> None:
         self.single = single  # every gradient in one bucket (Megatron's pipeline ranks > 0)
+        self.hbm_rate = hbm_rate if plan.runtime.framework in FSDP2 else 0.0
+        self.blocked = 0.0
         self.mesh = plan.mesh
         self.cost = plan.cost
         self.framework = plan.runtime.framework
@@ -738,10 +743,14 @@ class Reducer:
         cap, self.first_cap = self.first_cap, BUCKET_BYTES
         return cap
 
-    def _launch(self, key: tuple[Any, ...], now: float) -> None:
-        tensors, size, ready, _cap, _layer = self.open.pop(key)
+    def _launch(self, key: tuple[Any, ...], now: float, seen: float | None = None) -> None:
+        tensors, size, ready, _cap, _layer, held = self.open.pop(key)
         kind, dims, rt, _dt, _root = key
         dur = self._time(kind, dims, size)
+        if self.hbm_rate > 0 and kind == "reduce_scatter":  # the copy-in first, after those before it
+            copy_in = (held + size) / self.hbm_rate
+            now = (now if seen is None else seen) + self.blocked + copy_in
+            self.blocked += copy_in
         start = max(now, self.free)
         self.free = start + dur
         self.buckets.append(Bucket(kind, dims, rt, tensors, size, ready, start, dur))
@@ -756,24 +765,32 @@ class Reducer:
         key = (*block[:4], root)
         b = self.open.get(block)
         if b is not None and fsdp and b[4] != layer:
-            self._launch(block, b[2])  # the previous layer's gradients are all made
+            self._launch(block, b[2], now)  # the previous layer's gradients are all made
         b = self.open.get(key)
         itemsize = self.reduce_itemsize.get(dtype, 0)
+        held = size
         if itemsize:
             size = size * itemsize // 2
         if b is None:
-            b = self.open[key] = [0, 0, now, self._cap(s.kind, s.mesh_dims, itemsize or 2), layer]
+            b = self.open[key] = [0, 0, now, self._cap(s.kind, s.mesh_dims, itemsize or 2), layer, 0]
         b[0] += 1
         b[1] += size
+        b[5] += held
         b[2] = now
         if b[1] >= b[3]:
             self._launch(key, now)
 
     def flush(self, now: float) -> float:
-        """Launch every open bucket (the end of the backward); the time the last one is done."""
+        """Launch every open bucket (the end of the backward); the time the last one is done
+        (and the compute stream's copy-ins: ``blocked``)."""
         for key in sorted(self.open, key=lambda k: k[4]):  # the root's (torchtitan) last
             self._launch(key, now)
-        return max(now, self.free)
+        return max(now + self.blocked, self.free)
+
+    def take(self) -> float:
+        """The copy-ins' compute seconds since the last take."""
+        out, self.blocked = self.blocked, 0.0
+        return out
 
 
 @dataclass
@@ -788,19 +805,45 @@ class _Run:
     fb_s: float = 0.0
     #: the buckets still running after the last backward (the optimizer waits for them)
     tail_s: float = 0.0
+    #: FSDP2's copy-outs and copy-ins on the compute stream by phase (:func:`fsdp2_copy_out`,
+    #: :class:`Reducer`), in ``serial_compute`` and the timeline's compute
+    copies: dict[str, float] = field(default_factory=dict)
+
+
+def fsdp2_copy_out(plan: Plan, comm: _Comm, prefetch: dict[int, tuple[float, int]], hbm_rate: float) -> dict[int, float]:
+    """FSDP2's all-gather copy-out (``foreach_all_gather_copy_out``: ``split_with_sizes_copy`` of
+    the gathered buffer into the unsharded parameters, on the compute stream) of each unit
+    ``prefetch`` gathers (group -> seconds): its gathered bytes read and written at ``hbm_rate``;
+    torchtitan's root unit its forward groups' tensors once (:func:`torchtitan_units`)."""
+    if hbm_rate <= 0 or plan.runtime.framework not in FSDP2:
+        return {}
+    groups = layer_groups(plan)
+    tag = {groups[i]: (op.layer, op.phase) for i, op in reversed(list(enumerate(plan.program.ops)))}
+    root = [g for g in comm.gathers if plan.runtime.framework == "torchtitan" and tag[g][0] in ROOT_LAYERS
+            and tag[g][1] == "forward"]
+    merged: dict[tuple[str, tuple[int, ...]], float] = {}
+    for g in root:
+        for key, b in comm.gathers[g].items():
+            merged[key] = max(merged.get(key, 0.0), b)
+    return {g: 2 * sum((merged if root and g == min(root) else comm.gathers.get(g, {})).values()) / hbm_rate
+            for g in prefetch}
 
 
 def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dict[int, float],
-         pending: dict[int, list[_Pending]] | None = None) -> _Run:
+         pending: dict[int, list[_Pending]] | None = None, hbm_rate: float = 0.0) -> _Run:
     """The ops in program order; a stored parameters' group all-gather is issued on the
     communication stream when the group before its own starts (FSDP's prefetch of the next
     block, forward and backward; torchtitan's units: :func:`torchtitan_units`), and its first
     reader waits for it. ``pending``: the gradient reductions this micro-step runs (default every
     one, the last micro-step's); without ``Runtime.grad_overlap`` all of them in one buffer after
-    the backward (Megatron-LM 2021-2022's local DDP)."""
+    the backward (Megatron-LM 2021-2022's local DDP). ``hbm_rate``: FSDP2's copy-out of each
+    gathered unit before its first reader, and copy-in of each reduce-scatter after the op that
+    shows its launch (in that op's successor's compute), on the compute stream."""
     pending = comm.pending if pending is None else pending
     prefetch = torchtitan_units(plan, comm)
-    red = Reducer(plan, single=not plan.runtime.grad_overlap)
+    red = Reducer(plan, single=not plan.runtime.grad_overlap, hbm_rate=hbm_rate)
+    copy_out = fsdp2_copy_out(plan, comm, prefetch, hbm_rate)
+    copies: dict[str, float] = {}
     clock = 0.0
     serial_compute = 0.0
     timeline: list[tuple[int, float, float, float, float]] = []
@@ -816,7 +859,11 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
             fb = clock
             clock = red.flush(clock)
             flushed = True
-            tail = clock - fb
+            pre = red.take()  # the copy-ins of the buckets launched at the backward's end
+            copies["backward"] = copies.get("backward", 0.0) + pre
+            serial_compute += pre
+            tail = clock - fb - pre
+        pre = red.take()  # the copy-ins the op before launched, before this op
         wait = 0.0
         if groups and (i == 0 or groups[i] != groups[i - 1]):
             # a group starts: its own gather if not yet issued, then the next group's (prefetch)
@@ -827,19 +874,26 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
                     done[nxt] = max(clock, red.free) + prefetch[nxt][0]
                     red.free = done[nxt]
         mine = first_of.get(i)
+        out = copy_out.get(mine, 0.0) if mine is not None else 0.0
         if mine is not None:
-            wait = max(0.0, done.get(mine, clock) - clock)
+            wait = max(0.0, done.get(mine, clock + pre) - clock - pre)
         blocked = wait + comm.exposed(i, times) + kern_by_op.get(i, 0.0)
-        timeline.append((i, clock, blocked, rerun.extra_at.get(i, 0.0), times[i]))
-        clock += blocked + times[i] + rerun.extra_at.get(i, 0.0)
-        serial_compute += times[i]
+        timeline.append((i, clock, blocked, rerun.extra_at.get(i, 0.0), times[i] + pre + out))
+        clock += blocked + times[i] + pre + out + rerun.extra_at.get(i, 0.0)
+        serial_compute += times[i] + pre + out
+        if pre or out:
+            copies[op.phase] = copies.get(op.phase, 0.0) + out
+            copies["backward"] = copies.get("backward", 0.0) + pre
         for dt, s, size in pending.get(i, []):
             red.add(dt, s, size, clock, op.layer)
     if not flushed:
         fb = clock
         clock = red.flush(clock)
-        tail = clock - fb
-    return _Run(clock, serial_compute, timeline, red.buckets, fb, tail)
+        pre = red.take()
+        copies["backward"] = copies.get("backward", 0.0) + pre
+        tail = clock - fb - pre
+        serial_compute += pre
+    return _Run(clock, serial_compute, timeline, red.buckets, fb, tail, copies)
 
 
 @dataclass
@@ -944,12 +998,16 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     rerun = _rerun(plan, recompute, comp, comm, kern_by_op, points)
     compute, comm_s = comp.by_phase, comm.by_phase
     flops, mflops, nbytes, matmul_s = comp.flops + rerun.flops, comp.model_flops, comp.bytes, comp.matmul_s
-    run = _run(plan, comp, comm, rerun, kern_by_op)
+    rate = device.hbm_rate
+    run = _run(plan, comp, comm, rerun, kern_by_op, hbm_rate=rate)
     accum = plan.grad_accum
     # the micro-steps before the last, where the framework reduce-scatters gradients in every
-    # micro-step's backward (ZeRO-2/3 under Megatron-FSDP, torchtitan): those reductions only
-    early = _run(plan, comp, comm, rerun, kern_by_op, comm.pending_each) if accum > 1 and comm.pending_each \
+    # micro-step's backward (ZeRO-2/3 under Megatron-FSDP, torchtitan): those reductions only;
+    # where it reduces once but FSDP2 copies on the compute stream, none (no copy-in before the last)
+    early = _run(plan, comp, comm, rerun, kern_by_op, comm.pending_each, rate) if accum > 1 and comm.pending_each \
         else None
+    prior = early if early is not None else run if accum == 1 or not run.copies.get("backward") \
+        else _run(plan, comp, comm, rerun, kern_by_op, {}, rate)
     clock = run.clock
     gathers_exposed = 0.0
     if comm.param_gathers:
@@ -978,7 +1036,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
         phases = ("forward", "backward", "recompute")
         serial += (accum - 1) * (sum(compute.get(ph, 0.0) + comm_s.get(ph, 0.0) for ph in phases) + kern_total
                                  + ring_comm - sum(rg.exposed_s for rg in again))
-        clock += (accum - 1) * (run.fb_s if early is None else early.fb_s + early.tail_s)
+        clock += (accum - 1) * (prior.fb_s + (early.tail_s if early is not None else 0.0))
         ring_comm *= accum
         ring_exposed *= accum
         for ph in phases:
@@ -993,6 +1051,9 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
         matmul_s *= accum
         tokens = tokens * accum if tokens else tokens
         mf = mf * accum
+        serial += (accum - 1) * sum(prior.copies.values())
+    for ph in set(run.copies) | set(prior.copies):  # FSDP2's copies, as each micro-step runs them
+        compute[ph] = compute.get(ph, 0.0) + run.copies.get(ph, 0.0) + (accum - 1) * prior.copies.get(ph, 0.0)
     est = StepEstimate(device, plan.mesh.size, compute, comm_s, kern_total, grad_sync, run.buckets, serial, clock,
                        flops, mflops, nbytes, tokens, mf if tokens else 0.0, n_params, att * accum, comp.uncovered,
                        matmul_s, comp.memory_bound, kern)
@@ -1009,7 +1070,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     est.cp_imbalance = max((causal_imbalance(c.ranks, c.balanced, c.causal) for c in cps if c.variant != "alltoall"),
                            default=1.0)
     est.cp = max((c.ranks for c in cps), default=1)
-    before = run if early is None else early  # the micro-steps before the last
+    before = prior  # the micro-steps before the last
     blocking = sum(b for _i, _t, b, _r, _c in run.timeline) \
         + (accum - 1) * sum(b for _i, _t, b, _r, _c in before.timeline)
     tail = run.tail_s + (accum - 1) * (early.tail_s if early is not None else 0.0)
