@@ -66,13 +66,45 @@ def test_torchtitan_reduce_scatters_the_root_gradients_last_in_one_bucket() -> N
     root = est.buckets[-1]
     assert root.time_s == pytest.approx(collective_time("reduce_scatter", 4 * (2 * EMB + NORM), NODE, H100))
     # launched when the backward ends (the embedding's gradient, the last backward op), after
-    # layer 0's on the same stream; the optimizer waits for it: all of it past the backward is exposed
+    # layer 0's on the same stream; the optimizer waits for it: all of it past the backward is exposed.
+    # FSDP2's copy-in of each bucket (foreach_reduce_scatter_copy_in: the bf16 gradients read, the
+    # fp32 input written) runs on the compute stream before its reduce-scatter: layer 0's from the
+    # end of the embedding's gradient (the op that shows its launch), then the root's
+    ci_layer, ci_root = (2 + 4) * LAYER / dev.hbm_rate, (2 + 4) * (2 * EMB + NORM) / dev.hbm_rate
     opt = next(t for t in est.timeline if plan.program.ops[t[0]].phase == "optimizer")
     last = next(t for t in reversed(est.timeline) if plan.program.ops[t[0]].phase == "backward")
     assert root.ready_s == pytest.approx(last[1] + last[2] + last[3] + last[4])
-    assert root.start_s == pytest.approx(max(root.ready_s, est.buckets[-2].start_s + est.buckets[-2].time_s))
+    assert est.buckets[-2].start_s == pytest.approx(max(root.ready_s + ci_layer,
+                                                        est.buckets[-3].start_s + est.buckets[-3].time_s))
+    assert root.start_s == pytest.approx(max(root.ready_s + ci_layer + ci_root,
+                                             est.buckets[-2].start_s + est.buckets[-2].time_s))
     assert opt[1] == pytest.approx(root.start_s + root.time_s)
-    assert est.exposed_s["gradient_buckets"] == pytest.approx(root.start_s + root.time_s - root.ready_s)
+    assert est.exposed_s["gradient_buckets"] == pytest.approx(root.start_s + root.time_s - root.ready_s
+                                                              - ci_layer - ci_root)
+
+
+def test_fsdp2_copies_run_on_the_compute_stream() -> None:
+    """FSDP2 (torch/distributed/_composable/fsdp/_fsdp_collectives.py, pytorch 415cc26): each
+    gathered unit's copy-out (split_with_sizes_copy of the gathered buffer into the unsharded
+    parameters: bf16 read and written) and each reduce-scatter's copy-in (_chunk_cat of the bf16
+    gradients into the fp32 reduce-scatter input) on the compute stream, at the HBM rate; none
+    under Megatron. torchtitan reduce-scatters in every micro-step (no set_requires_gradient_sync):
+    under gradient accumulation each micro-step copies out and in alike."""
+    plan, dev = _plan("torchtitan")
+    with_copies = estimate_step(plan, dev, 8 * 4096)
+    rate = dev.hbm_rate
+    # gathered: the root (2 x EMB + NORM) once, layer 0 and layer 1 forward, layer 0 backward
+    out = 2 * 2 * ((2 * EMB + NORM) + 3 * LAYER) / rate
+    # reduce-scattered: layer 1, layer 0, the root, each read in bf16 and written in fp32
+    into = (2 + 4) * (2 * LAYER + 2 * EMB + NORM) / rate
+    fwd_out = 2 * 2 * ((2 * EMB + NORM) + 2 * LAYER) / rate
+    base = _compute(plan, dev).by_phase
+    assert with_copies.compute_s["forward"] == pytest.approx(base["forward"] + fwd_out)
+    assert with_copies.compute_s["backward"] - base["backward"] == pytest.approx(out - fwd_out + into)
+    three = estimate_step(replace(plan, grad_accum=3), dev, 8 * 4096)
+    assert three.compute_s["backward"] == pytest.approx(3 * with_copies.compute_s["backward"])
+    mega, _ = _plan("megatron")
+    assert estimate_step(mega, dev, 8 * 4096).compute_s == pytest.approx(_compute(mega, dev).by_phase)
 
 
 def test_a_tied_embedding_is_gathered_and_reduced_once_in_the_root() -> None:

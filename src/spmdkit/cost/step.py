@@ -20,6 +20,15 @@ from spmdkit.core.dist_attr import entry_dims
 from spmdkit.core.reshard import Step
 from spmdkit.cost.async_tp import fused_exposed, fused_window, reduce_partials_s
 from spmdkit.cost.band import error_band
+from spmdkit.cost.buckets import (
+    BUCKET_BYTES,
+    FIRST_BUCKET_BYTES,
+    MEGATRON_BUCKET_PARAMS,
+    MEGATRON_BUCKET_PARAMS_PER_DP,
+    ROOT_LAYERS,
+    Bucket,
+    Reducer,
+)
 from spmdkit.cost.collectives import buffer_bytes, time_of
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
 from spmdkit.cost.context import RingCost, causal_imbalance, cp_ops, regathers, ring_costs
@@ -33,47 +42,6 @@ from spmdkit.engine.memo import Recent, gc_paused
 from spmdkit.ops._cost import numel
 from spmdkit.program.plan import Plan, Reshard
 from spmdkit.program.runtime import FSDP2
-
-#: DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and the
-#: first bucket dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB)
-BUCKET_BYTES = 25 * 1024 * 1024
-FIRST_BUCKET_BYTES = 1024 * 1024
-#: Megatron-Core DDP's bucket: ``max(40000000, 1000000 * dp_size)`` parameters
-#: (DistributedDataParallelConfig.bucket_size, megatron/core/distributed/distributed_data_parallel.py)
-MEGATRON_BUCKET_PARAMS = 40_000_000
-MEGATRON_BUCKET_PARAMS_PER_DP = 1_000_000
-#: bf16 gradients are reduced in fp32 by both frameworks: Megatron-LM forces
-#: accumulate_allreduce_grads_in_fp32 for bf16 (megatron/training/arguments.py), torchtitan's
-#: FSDP2 MixedPrecisionPolicy has reduce_dtype = mixed_precision_reduce = float32
-_REDUCE_ITEMSIZE = {"bfloat16": 4}
-#: the parts of a model torchtitan's root FSDP2 module holds (the zoo's layer tags of
-#: tok_embeddings, and of norm and output): torchtitan ``apply_fsdp`` (parallelize_llama.py, at
-#: 9dec370) calls ``fully_shard`` on each transformer block, the last one with
-#: ``reshard_after_forward=False`` ("FSDP would prefetch it immediately"), then on the model; FSDP2
-#: does not reshard the root after forward (``FSDPState._lazy_init``: "For the root, do not reshard
-#: after forward ... post_forward_mesh_info = None"), and reduce-scatters its gradients in the
-#: backward's final callback (``_root_post_backward_final_callback``: its inputs, the token ids,
-#: have no gradient to trigger its post-backward hook)
-ROOT_LAYERS = ("embedding", "head")
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """A bucket of gradient reductions: launched when full (or at the end of the backward)."""
-
-    kind: str
-    mesh_dims: tuple[int, ...]
-    reduce_type: str
-    tensors: int
-    bytes: int
-    ready_s: float
-    start_s: float
-    time_s: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "mesh_dims": list(self.mesh_dims), "reduce_type": self.reduce_type,
-                "tensors": self.tensors, "bytes": self.bytes, "ready_s": self.ready_s, "start_s": self.start_s,
-                "time_s": self.time_s}
 
 
 @dataclass
@@ -702,80 +670,6 @@ def dgrad_time(c: OpCost, t: float) -> float:
     return t * f[0] / sum(f) if sum(f) > 0 else 0.0
 
 
-class Reducer:
-    """The data-parallel gradient buckets, as the framework (``plan.runtime.framework``) makes
-    them: one open bucket per (kind, mesh dims, reduce type, dtype), filled in the order the
-    gradients are made and launched when full on the communication stream, one bucket after the
-    other. Megatron-Core DDP: ``max(40M, 1M x dp)`` parameters a bucket; torchtitan: FSDP2
-    reduce-scatters each layer's gradients at once (a bucket per layer), its replicate (DDP)
-    torch's 1 MiB first bucket then 25 MiB. bf16 gradients are reduced in fp32. Used by
-    :func:`estimate_step` and by the pipeline (:mod:`spmdkit.planner.pipeline`)."""
-
-    def __init__(self, plan: Plan, single: bool = False) -> None:
-        self.single = single  # every gradient in one bucket (Megatron's pipeline ranks > 0)
-        self.mesh = plan.mesh
-        self.cost = plan.cost
-        self.framework = plan.runtime.framework
-        #: ``--grad-dtype bf16``: the gradients reduced in bf16, as they are held
-        self.reduce_itemsize = {} if plan.runtime.grad_dtype == "bf16" else _REDUCE_ITEMSIZE
-        self.buckets: list[Bucket] = []
-        self.open: dict[tuple[Any, ...], list[Any]] = {}  # key -> [tensors, bytes, ready, cap, layer]
-        self.free = 0.0  # when the communication stream is free
-        self.first_cap = FIRST_BUCKET_BYTES
-        self.launched: list[float] = []  # when each of ``buckets`` was launched
-
-    def _time(self, kind: str, dims: tuple[int, ...], size: int) -> float:
-        return time_of(self.cost, kind, dims, size, self.mesh.shape)
-
-    def _cap(self, kind: str, dims: tuple[int, ...], itemsize: int) -> float:
-        if self.single:
-            return math.inf
-        if self.framework == "megatron":
-            dp = math.prod(self.mesh.shape[d] for d in dims)
-            return max(MEGATRON_BUCKET_PARAMS, MEGATRON_BUCKET_PARAMS_PER_DP * dp) * itemsize
-        if kind == "reduce_scatter":
-            return math.inf  # FSDP2: the layer's gradients at once
-        cap, self.first_cap = self.first_cap, BUCKET_BYTES
-        return cap
-
-    def _launch(self, key: tuple[Any, ...], now: float) -> None:
-        tensors, size, ready, _cap, _layer = self.open.pop(key)
-        kind, dims, rt, _dt, _root = key
-        dur = self._time(kind, dims, size)
-        start = max(now, self.free)
-        self.free = start + dur
-        self.buckets.append(Bucket(kind, dims, rt, tensors, size, ready, start, dur))
-        self.launched.append(now)
-
-    def add(self, dtype: str, s: Step, size: int, now: float, layer: str = "") -> None:
-        """A gradient of ``size`` bytes (its own dtype) ready at ``now``, made in ``layer``
-        (torchtitan: a :data:`ROOT_LAYERS` gradient waits in the root's bucket for the end)."""
-        fsdp = self.framework in FSDP2 and s.kind == "reduce_scatter"
-        root = fsdp and self.framework == "torchtitan" and layer in ROOT_LAYERS
-        block = (s.kind, s.mesh_dims, s.reduce_type or "sum", dtype, False)
-        key = (*block[:4], root)
-        b = self.open.get(block)
-        if b is not None and fsdp and b[4] != layer:
-            self._launch(block, b[2])  # the previous layer's gradients are all made
-        b = self.open.get(key)
-        itemsize = self.reduce_itemsize.get(dtype, 0)
-        if itemsize:
-            size = size * itemsize // 2
-        if b is None:
-            b = self.open[key] = [0, 0, now, self._cap(s.kind, s.mesh_dims, itemsize or 2), layer]
-        b[0] += 1
-        b[1] += size
-        b[2] = now
-        if b[1] >= b[3]:
-            self._launch(key, now)
-
-    def flush(self, now: float) -> float:
-        """Launch every open bucket (the end of the backward); the time the last one is done."""
-        for key in sorted(self.open, key=lambda k: k[4]):  # the root's (torchtitan) last
-            self._launch(key, now)
-        return max(now, self.free)
-
-
 @dataclass
 class _Run:
     """One micro-step in program order: its end (the optimizer waits for the last bucket), the
@@ -788,19 +682,45 @@ class _Run:
     fb_s: float = 0.0
     #: the buckets still running after the last backward (the optimizer waits for them)
     tail_s: float = 0.0
+    #: FSDP2's copy-outs and copy-ins on the compute stream by phase (:func:`fsdp2_copy_out`,
+    #: :class:`Reducer`), in ``serial_compute`` and the timeline's compute
+    copies: dict[str, float] = field(default_factory=dict)
+
+
+def fsdp2_copy_out(plan: Plan, comm: _Comm, prefetch: dict[int, tuple[float, int]], hbm_rate: float) -> dict[int, float]:
+    """FSDP2's all-gather copy-out (``foreach_all_gather_copy_out``: ``split_with_sizes_copy`` of
+    the gathered buffer into the unsharded parameters, on the compute stream) of each unit
+    ``prefetch`` gathers (group -> seconds): its gathered bytes read and written at ``hbm_rate``;
+    torchtitan's root unit its forward groups' tensors once (:func:`torchtitan_units`)."""
+    if hbm_rate <= 0 or plan.runtime.framework not in FSDP2:
+        return {}
+    groups = layer_groups(plan)
+    tag = {groups[i]: (op.layer, op.phase) for i, op in reversed(list(enumerate(plan.program.ops)))}
+    root = [g for g in comm.gathers if plan.runtime.framework == "torchtitan" and tag[g][0] in ROOT_LAYERS
+            and tag[g][1] == "forward"]
+    merged: dict[tuple[str, tuple[int, ...]], float] = {}
+    for g in root:
+        for key, b in comm.gathers[g].items():
+            merged[key] = max(merged.get(key, 0.0), b)
+    return {g: 2 * sum((merged if root and g == min(root) else comm.gathers.get(g, {})).values()) / hbm_rate
+            for g in prefetch}
 
 
 def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dict[int, float],
-         pending: dict[int, list[_Pending]] | None = None) -> _Run:
+         pending: dict[int, list[_Pending]] | None = None, hbm_rate: float = 0.0) -> _Run:
     """The ops in program order; a stored parameters' group all-gather is issued on the
     communication stream when the group before its own starts (FSDP's prefetch of the next
     block, forward and backward; torchtitan's units: :func:`torchtitan_units`), and its first
     reader waits for it. ``pending``: the gradient reductions this micro-step runs (default every
     one, the last micro-step's); without ``Runtime.grad_overlap`` all of them in one buffer after
-    the backward (Megatron-LM 2021-2022's local DDP)."""
+    the backward (Megatron-LM 2021-2022's local DDP). ``hbm_rate``: FSDP2's copy-out of each
+    gathered unit before its first reader, and copy-in of each reduce-scatter after the op that
+    shows its launch (in that op's successor's compute), on the compute stream."""
     pending = comm.pending if pending is None else pending
     prefetch = torchtitan_units(plan, comm)
-    red = Reducer(plan, single=not plan.runtime.grad_overlap)
+    red = Reducer(plan, single=not plan.runtime.grad_overlap, hbm_rate=hbm_rate)
+    copy_out = fsdp2_copy_out(plan, comm, prefetch, hbm_rate)
+    copies: dict[str, float] = {}
     clock = 0.0
     serial_compute = 0.0
     timeline: list[tuple[int, float, float, float, float]] = []
@@ -816,7 +736,11 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
             fb = clock
             clock = red.flush(clock)
             flushed = True
-            tail = clock - fb
+            pre = red.take()  # the copy-ins of the buckets launched at the backward's end
+            copies["backward"] = copies.get("backward", 0.0) + pre
+            serial_compute += pre
+            tail = clock - fb - pre
+        pre = red.take()  # the copy-ins the op before launched, before this op
         wait = 0.0
         if groups and (i == 0 or groups[i] != groups[i - 1]):
             # a group starts: its own gather if not yet issued, then the next group's (prefetch)
@@ -827,19 +751,26 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
                     done[nxt] = max(clock, red.free) + prefetch[nxt][0]
                     red.free = done[nxt]
         mine = first_of.get(i)
+        out = copy_out.get(mine, 0.0) if mine is not None else 0.0
         if mine is not None:
-            wait = max(0.0, done.get(mine, clock) - clock)
+            wait = max(0.0, done.get(mine, clock + pre) - clock - pre)
         blocked = wait + comm.exposed(i, times) + kern_by_op.get(i, 0.0)
-        timeline.append((i, clock, blocked, rerun.extra_at.get(i, 0.0), times[i]))
-        clock += blocked + times[i] + rerun.extra_at.get(i, 0.0)
-        serial_compute += times[i]
+        timeline.append((i, clock, blocked, rerun.extra_at.get(i, 0.0), times[i] + pre + out))
+        clock += blocked + times[i] + pre + out + rerun.extra_at.get(i, 0.0)
+        serial_compute += times[i] + pre + out
+        if pre or out:
+            copies[op.phase] = copies.get(op.phase, 0.0) + out
+            copies["backward"] = copies.get("backward", 0.0) + pre
         for dt, s, size in pending.get(i, []):
             red.add(dt, s, size, clock, op.layer)
     if not flushed:
         fb = clock
         clock = red.flush(clock)
-        tail = clock - fb
-    return _Run(clock, serial_compute, timeline, red.buckets, fb, tail)
+        pre = red.take()
+        copies["backward"] = copies.get("backward", 0.0) + pre
+        tail = clock - fb - pre
+        serial_compute += pre
+    return _Run(clock, serial_compute, timeline, red.buckets, fb, tail, copies)
 
 
 @dataclass
@@ -944,12 +875,16 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     rerun = _rerun(plan, recompute, comp, comm, kern_by_op, points)
     compute, comm_s = comp.by_phase, comm.by_phase
     flops, mflops, nbytes, matmul_s = comp.flops + rerun.flops, comp.model_flops, comp.bytes, comp.matmul_s
-    run = _run(plan, comp, comm, rerun, kern_by_op)
+    rate = device.hbm_rate
+    run = _run(plan, comp, comm, rerun, kern_by_op, hbm_rate=rate)
     accum = plan.grad_accum
     # the micro-steps before the last, where the framework reduce-scatters gradients in every
-    # micro-step's backward (ZeRO-2/3 under Megatron-FSDP, torchtitan): those reductions only
-    early = _run(plan, comp, comm, rerun, kern_by_op, comm.pending_each) if accum > 1 and comm.pending_each \
+    # micro-step's backward (ZeRO-2/3 under Megatron-FSDP, torchtitan): those reductions only;
+    # where it reduces once but FSDP2 copies on the compute stream, none (no copy-in before the last)
+    early = _run(plan, comp, comm, rerun, kern_by_op, comm.pending_each, rate) if accum > 1 and comm.pending_each \
         else None
+    prior = early if early is not None else run if accum == 1 or not run.copies.get("backward") \
+        else _run(plan, comp, comm, rerun, kern_by_op, {}, rate)
     clock = run.clock
     gathers_exposed = 0.0
     if comm.param_gathers:
@@ -978,7 +913,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
         phases = ("forward", "backward", "recompute")
         serial += (accum - 1) * (sum(compute.get(ph, 0.0) + comm_s.get(ph, 0.0) for ph in phases) + kern_total
                                  + ring_comm - sum(rg.exposed_s for rg in again))
-        clock += (accum - 1) * (run.fb_s if early is None else early.fb_s + early.tail_s)
+        clock += (accum - 1) * (prior.fb_s + (early.tail_s if early is not None else 0.0))
         ring_comm *= accum
         ring_exposed *= accum
         for ph in phases:
@@ -993,6 +928,9 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
         matmul_s *= accum
         tokens = tokens * accum if tokens else tokens
         mf = mf * accum
+        serial += (accum - 1) * sum(prior.copies.values())
+    for ph in set(run.copies) | set(prior.copies):  # FSDP2's copies, as each micro-step runs them
+        compute[ph] = compute.get(ph, 0.0) + run.copies.get(ph, 0.0) + (accum - 1) * prior.copies.get(ph, 0.0)
     est = StepEstimate(device, plan.mesh.size, compute, comm_s, kern_total, grad_sync, run.buckets, serial, clock,
                        flops, mflops, nbytes, tokens, mf if tokens else 0.0, n_params, att * accum, comp.uncovered,
                        matmul_s, comp.memory_bound, kern)
@@ -1009,7 +947,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     est.cp_imbalance = max((causal_imbalance(c.ranks, c.balanced, c.causal) for c in cps if c.variant != "alltoall"),
                            default=1.0)
     est.cp = max((c.ranks for c in cps), default=1)
-    before = run if early is None else early  # the micro-steps before the last
+    before = prior  # the micro-steps before the last
     blocking = sum(b for _i, _t, b, _r, _c in run.timeline) \
         + (accum - 1) * sum(b for _i, _t, b, _r, _c in before.timeline)
     tail = run.tail_s + (accum - 1) * (early.tail_s if early is not None else 0.0)

@@ -124,11 +124,13 @@ def balanced_counts(unit_costs: list[float], first: float, last: float, layers: 
 @dataclass(frozen=True)
 class _Adds:
     """A copy's gradient reductions as its step makes them: (layer unit: -1 the embedding,
-    ``layers`` the head; dtype, reduction, bytes, op layer label, time), and the end of its backward."""
+    ``layers`` the head; dtype, reduction, bytes, op layer label, time), and the end of its backward;
+    its device's HBM rate (FSDP2's copy-ins: :class:`spmdkit.cost.step.Reducer`)."""
 
     items: list[tuple[int, str, Step, int, str, float]]
     fb: float
     layers: int
+    rate: float = 0.0
 
 
 def _gathered(plan: Plan, oc: OpComm, ops: set[int] | None = None) -> dict[tuple[tuple[int, ...], int], float]:
@@ -169,14 +171,22 @@ def _adds(plan: Plan, est: StepEstimate) -> _Adds | None:
         end = start + blocked + comp + extra
         for dt, s, size in oc.pending.get(i, []):
             items.append((unit[i], dt, s, size, op.layer, end))
-    return _Adds(items, end if fb is None else fb, n)
+    return _Adds(items, end if fb is None else fb, n, est.device.hbm_rate)
 
 
-def _replay(plan: Plan, items: list[tuple[int, str, Step, int, str, float]], fb: float) -> Reducer:
-    """``items`` through the plan's buckets, flushed at ``fb`` (the end of the backward)."""
-    red = Reducer(plan)
+def _replay(plan: Plan, items: list[tuple[int, str, Step, int, str, float]], fb: float, rate: float) -> Reducer:
+    """``items`` through the plan's buckets, flushed at ``fb`` (the end of the backward), as the
+    step's ops add them: FSDP2's copy-ins (at ``rate``) an op's launches start on the compute
+    stream are in the next op's time, so the items of a later time start none of theirs."""
+    red = Reducer(plan, hbm_rate=rate)
+    last = None
     for _u, dt, s, size, layer, t in items:
+        if t != last:
+            red.take()
+            last = t
         red.add(dt, s, size, t, layer)
+    if fb != last:
+        red.take()
     red.flush(fb)
     return red
 
@@ -189,7 +199,9 @@ def _same(red: Reducer, est: StepEstimate) -> bool:
 
 
 def _end(red: Reducer, fb: float) -> float:
-    return max(fb, red.free)
+    """When the step's clock goes on after the flush at ``fb`` (FSDP2's copy-ins of the buckets it
+    launched on the compute stream, the buckets' stream): :meth:`Reducer.flush`'s end."""
+    return max(fb + red.blocked, red.free)
 
 
 def bucket_figures(fold: Fold, plan_a: Plan, est_a: StepEstimate, plan_b: Plan, est_b: StepEstimate,
@@ -207,7 +219,7 @@ def bucket_figures(fold: Fold, plan_a: Plan, est_a: StepEstimate, plan_b: Plan, 
     a, b = _adds(plan_a, est_a), _adds(plan_b, est_b)
     if a is None or b is None:
         return None
-    red_a, red_b = _replay(plan_a, a.items, a.fb), _replay(plan_b, b.items, b.fb)
+    red_a, red_b = _replay(plan_a, a.items, a.fb, a.rate), _replay(plan_b, b.items, b.fb, b.rate)
     if not (_same(red_a, est_a) and _same(red_b, est_b)):
         return None
     k = dense + 1  # the repeated layer
@@ -225,7 +237,7 @@ def bucket_figures(fold: Fold, plan_a: Plan, est_a: StepEstimate, plan_b: Plan, 
     if out is None:
         return None
     fb_full = fold.at(a.fb, b.fb)
-    red = _replay(plan_b, out, fb_full)
+    red = _replay(plan_b, out, fb_full, b.rate)
     fwd_a = est_a.compute_s.get("forward", 0.0) / plan_a.grad_accum
     fwd_b = est_b.compute_s.get("forward", 0.0) / plan_b.grad_accum
     ga, gb, gf = gather_exposed(fold, plan_b, _gathered(plan_a, op_communication(plan_a, est_a.device)),
@@ -245,7 +257,7 @@ def bucket_sync(plan_a: Plan, est_a: StepEstimate, plan_b: Plan, est_b: StepEsti
     if a is None or b is None:
         return None
     for plan, adds, est in ((plan_a, a, est_a), (plan_b, b, est_b)):
-        red = _replay(plan, adds.items, adds.fb)
+        red = _replay(plan, adds.items, adds.fb, adds.rate)
         if len(red.buckets) != len(est.buckets) or not all(
                 (x.kind, x.mesh_dims, x.tensors, x.bytes) == (y.kind, y.mesh_dims, y.tensors, y.bytes)
                 and _close(x.time_s, y.time_s) for x, y in zip(red.buckets, est.buckets)):
@@ -253,7 +265,7 @@ def bucket_sync(plan_a: Plan, est_a: StepEstimate, plan_b: Plan, est_b: StepEsti
     if not (a.items or b.items):
         return 0.0  # no data-parallel reduction
     out = _stretch(b.items, dense + 1, layers - b.layers, 0.0, 0.0)
-    return None if out is None else sum(x.time_s for x in _replay(plan_b, out, 0.0).buckets)
+    return None if out is None else sum(x.time_s for x in _replay(plan_b, out, 0.0, b.rate).buckets)
 
 
 Item = tuple[int, str, Step, int, str, float]

@@ -192,16 +192,21 @@ class ScheduleInputs:
     #: the share of the GPU's compute the partner's work runs at while an all-to-all of a merged
     #: step runs (DeepEP's kernels keep SMs of their own: :func:`spmdkit.cost.moe.a2a_compute_share`)
     a2a_share: float = 1.0
+    #: per virtual stage: the seconds its first microbatch's forward and its last microbatch's
+    #: backward take more, once a step (FSDP2's copy-out and copy-in: :func:`run_schedule`)
+    once: list[tuple[float, float]] | None = None
 
     def run(self, schedule: str, p: int, v: int, m: int) -> ScheduleRun:
         return run_schedule(schedule, p, v, m, self.fwd, self.bwd, self.send_f, self.send_b,
-                            self.blocking_sends, weight=self.weight, a2a=self.a2a, a2a_share=self.a2a_share)
+                            self.blocking_sends, weight=self.weight, a2a=self.a2a, a2a_share=self.a2a_share,
+                            once=self.once)
 
 
 def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float],
                  send_f: list[float] | None = None, send_b: list[float] | None = None,
                  blocking_sends: bool | None = None, weight: list[float] | None = None,
-                 a2a: list[tuple[float, float]] | None = None, a2a_share: float = 1.0) -> ScheduleRun:
+                 a2a: list[tuple[float, float]] | None = None, a2a_share: float = 1.0,
+                 once: list[tuple[float, float]] | None = None) -> ScheduleRun:
     """Simulate the schedule: ``fwd[k]`` / ``bwd[k]`` the time of virtual stage ``k`` for one
     microbatch, ``send_f[k]`` / ``send_b[k]`` the time to send its output activations to stage
     ``k+1`` / the gradients of its inputs to ``k-1`` (``send_b[k]`` is stage ``k+1``'s send back
@@ -213,13 +218,17 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
     the same device in the schedule's order. ``a2a`` (interleaved only): per virtual stage the
     expert all-to-all seconds inside ``fwd[k]`` and ``bwd[k]``; one more warm-up forward per
     device and each steady-state forward and backward run as one merged step (module docstring),
-    the work under an all-to-all at ``a2a_share`` of its speed (:func:`merged_part`)."""
+    the work under an all-to-all at ``a2a_share`` of its speed (:func:`merged_part`). ``once``: per
+    virtual stage, seconds more in its first microbatch's forward and its last microbatch's backward
+    (B), on the same device (FSDP2 under torch's pipelining gathers a stage's parameters before its
+    first forward and reduce-scatters its gradients after its last backward, each with its copy)."""
     if a2a is not None and schedule != "interleaved":
         raise ProgramError(f"--ep-comm-overlap: merges the steady-state forward and backward of the interleaved "
                            f"schedule; --schedule {schedule} has none to merge (give --schedule interleaved)")
     if blocking_sends is None:
         blocking_sends = schedule != "interleaved"
     n = p * v
+    first, final = ([f for f, _b in once], [b for _f, b in once]) if once else ([0.0] * n, [0.0] * n)
     sf = send_f or [0.0] * n
     sb = send_b or [0.0] * n
     wt = weight or [0.0] * n
@@ -252,6 +261,7 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
                     start = max(free[r], d_f, d_b)
                     (af, _x), (_y, ab) = a2a[kf], a2a[kb]
                     dur = merged_part(af, bwd[kb] - ab, a2a_share) + merged_part(ab, fwd[kf] - af, a2a_share)
+                    dur += (first[kf] if i_f == 0 else 0.0) + (final[kb] if i_b == m - 1 else 0.0)
                     hidden[r] += fwd[kf] + bwd[kb] - dur
                     cut = start + dur * fwd[kf] / (fwd[kf] + bwd[kb]) if fwd[kf] + bwd[kb] > 0 else start
                     free[r] = start + dur
@@ -270,6 +280,7 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
                 if dep is None:
                     break
                 dur = fwd[k] if kind == "F" else bwd[k] if kind == "B" else wt[k]
+                dur += first[k] if kind == "F" and i == 0 else final[k] if kind == "B" and i == m - 1 else 0.0
                 start = max(free[r], dep)
                 free[r] = start + dur
                 units.append((r, kind, k, i, start, free[r]))
@@ -286,7 +297,8 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
                 progressed = True
         if not progressed:  # cannot happen for the three schedules; never loop forever
             raise ProgramError(f"--schedule {schedule}: the schedule deadlocks (p={p}, v={v}, m={m})")
-    busy = [m * sum(fwd[c * p + r] + bwd[c * p + r] + wt[c * p + r] for c in range(v)) - hidden[r] for r in range(p)]
+    busy = [m * sum(fwd[c * p + r] + bwd[c * p + r] + wt[c * p + r] for c in range(v)) - hidden[r]
+            + sum(first[c * p + r] + final[c * p + r] for c in range(v)) for r in range(p)]
     return ScheduleRun(free, busy, last_b, units, hidden if a2a is not None else [])
 
 

@@ -68,6 +68,11 @@ class StageCost:
     #: what FSDP2's all-gather copy-in stream keeps reserved for the stage (its model chunk's root):
     #: two consecutive groups' gathered parameters (:func:`spmdkit.cost.memory_fsdp2.pair_peak`)
     gather_pool: int = 0
+    #: FSDP2's copies of those, once a step on the compute stream: the gathered parameters copied
+    #: out before the first microbatch's forward, the fp32 gradients copied into the reduce-scatter
+    #: input after the last microbatch's backward (:func:`stage_costs`)
+    copy_out_s: float = 0.0
+    copy_in_s: float = 0.0
     peak_op: int = 0
     flops: float = 0.0
     #: the local gradient bytes of the parameters it holds a copy of that other stages read too (a tied
@@ -116,7 +121,24 @@ def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: 
         # (held in memory by activation_deltas above): one mechanism, in the times too
         cut = shared_gather_savings(plan, device, oc, rerun_points(plan, saved)[0]) if oc.under else {}
         _stage_times(plan, stages, out, oc, {j for r in saved.recomputed for j in r}, shares, copies, cut)
+        if plan.runtime.fsdp2:
+            _fsdp2_copies(plan, out, device.hbm_rate)
     return out
+
+
+def _fsdp2_copies(plan: Plan, out: list[StageCost], rate: float) -> None:
+    """FSDP2's copies under torch's pipelining, once a step (the flat step's:
+    :func:`spmdkit.cost.step.fsdp2_copy_out`, :class:`spmdkit.cost.step.Reducer`): the gathered
+    parameters read and written (``foreach_all_gather_copy_out``), each reduce-scattered gradient
+    read and its reduce-dtype input written (``foreach_reduce_scatter_copy_in``), the gradient read
+    in fp32 where it was accumulated unsharded in the reduce dtype (``to_accumulated_grad_if_needed``)."""
+    itemsize = Reducer(plan).reduce_itemsize
+    for sc in out:
+        sc.copy_out_s = 2 * sc.unsharded_parameters / rate
+        for _f, dt, st, size, _layer in sc.grads:
+            if st.kind == "reduce_scatter":
+                wrote = size * itemsize[dt] // 2 if itemsize.get(dt) else size
+                sc.copy_in_s += (wrote + (wrote if sc.unsharded_gradients else size)) / rate
 
 
 def shared_parameters(prog: Any, stages: list[int]) -> dict[str, tuple[int, ...]]:
