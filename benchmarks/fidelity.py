@@ -368,6 +368,13 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv.append("--no-p2p-overlap")
         assume.append("pipeline sends block (Megatron-LM 2021-2022: torch.cuda.synchronize() after each "
                       "batch_isend_irecv)")
+    if pp > 1 and tp > 1 and row["id"].startswith(("narayanan21", "korthikanti22")):
+        # Megatron-LM of 2021-2022 (megatron/p2p_communication at de7dc40f88 and cfd2e21607):
+        # scatter_gather_tensors_in_pipeline on by default, off under --sequence-parallel (the
+        # planner keeps sp's already-split activations whole); Megatron-Core sends whole tensors
+        argv.append("--pp-scatter-gather")
+        assume.append("pipeline tensors sent 1/tp a tp rank and all-gathered over tp (Megatron-LM 2021-2022's "
+                      "scatter_gather_tensors_in_pipeline; not under sequence parallelism)")
     if par["tp"] > 1 and row["id"].startswith("narayanan21"):
         # Megatron-LM at de7dc40f88 (2021-08, the sc21 scripts): the column-parallel linear's
         # backward all-reduce blocks (copy_to_tensor_model_parallel_region); the async one beside

@@ -78,6 +78,7 @@ class Links:
     moe_routing: str | None = None
     ce_fusion: bool = False
     p2p_overlap: bool = True
+    pp_scatter_gather: bool = False
     ep_comm_overlap: bool = False
     grad_overlap: bool = True
     tp_allreduce_overlap: bool = True
@@ -95,6 +96,7 @@ class Links:
                        compile=self.compile, moe_dispatcher=(self.moe_dispatcher or "alltoall").strip().lower(),
                        moe_routing=(self.moe_routing or "topk").strip().lower(),
                        ce_fusion=self.ce_fusion, p2p_overlap=self.p2p_overlap,
+                       pp_scatter_gather=self.pp_scatter_gather,
                        ep_comm_overlap=self.ep_comm_overlap, grad_overlap=self.grad_overlap,
                        tp_allreduce_overlap=self.tp_allreduce_overlap, wgrad_fusion=self.wgrad_fusion)
 
@@ -248,6 +250,7 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
                     moe_histogram=ns.moe_histogram, grad_dtype=ns.grad_dtype,
                     optimizer_dtype=ns.optimizer_dtype, compile=ns.compile, moe_dispatcher=ns.moe_dispatcher,
                     moe_routing=ns.moe_routing, ce_fusion=ns.ce_fusion, p2p_overlap=ns.p2p_overlap,
+                    pp_scatter_gather=ns.pp_scatter_gather,
                     ep_comm_overlap=ns.ep_comm_overlap, grad_overlap=ns.grad_overlap,
                     tp_allreduce_overlap=ns.tp_allreduce_overlap, wgrad_fusion=ns.wgrad_fusion),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
@@ -271,6 +274,11 @@ def run_request(ns: argparse.Namespace, argv: list[str]) -> RunRequest:
 
 
 # -- the flags -----------------------------------------------------------------------------------
+
+
+_SCATTER_GATHER_HELP = ("--framework megatron, tp > 1 without sequence parallelism: each tp rank sends 1/tp of a "
+                        "pipeline activation or gradient and the receivers all-gather it over tp (Megatron-LM "
+                        "2021-2022's default; Megatron-Core sends whole tensors)")
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -346,6 +354,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-p2p-overlap", dest="p2p_overlap", action="store_false",
                    help="pipeline: every stage-to-stage send blocks its sender (Megatron-LM before 2023, "
                         "--no-overlap-p2p-communication); default: the interleaved schedule's sends overlap compute")
+    p.add_argument("--pp-scatter-gather", action="store_true", help=_SCATTER_GATHER_HELP)
     p.add_argument("--no-grad-overlap", dest="grad_overlap", action="store_false",
                    help="the data-parallel gradient reduction runs after the last backward, all in one buffer per "
                         "dtype (Megatron-LM 2021-2022's local DDP); default: in buckets under the backward")

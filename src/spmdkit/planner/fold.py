@@ -39,9 +39,9 @@ from spmdkit.planner.pipeline import (
     PipelineEstimate,
     ScheduleRun,
     StageCost,
-    _sender,
     balanced_split,
     block_layers,
+    exchanger,
     op_stages,
     op_units,
     reduce_gradients,
@@ -309,12 +309,15 @@ def pipeline_step(fold: Fold, plan_a: Plan, est_a: PipelineEstimate, plan_b: Pla
     bwd = [fold.at(ca.backward_s + ca.recompute_s, cb.backward_s + cb.recompute_s)
            for ca, cb in zip(est_a.stages, est_b.stages)]
     # what a stage sends grows with its layers where they add to it (a MoE layer's auxiliary loss)
-    send = _sender(s.pp, est_b.pp_link, device)
+    send = exchanger(plan_b, s.pp, est_b.pp_link, device)
     n = len(est_b.stages)
-    sent = [round(fold.at(ca.send_bytes, cb.send_bytes)) for ca, cb in zip(est_a.stages, est_b.stages)]
-    back = [round(fold.at(ca.send_grad_bytes, cb.send_grad_bytes)) for ca, cb in zip(est_a.stages, est_b.stages)]
-    send_f = [send(sent[k]) if k < n - 1 else 0.0 for k in range(n)]
-    send_b = [send(back[k + 1]) if k < n - 1 else 0.0 for k in range(n)]
+    pairs = list(zip(est_a.stages, est_b.stages))
+    sent = [round(fold.at(ca.send_bytes, cb.send_bytes)) for ca, cb in pairs]
+    back = [round(fold.at(ca.send_grad_bytes, cb.send_grad_bytes)) for ca, cb in pairs]
+    split = [round(fold.at(ca.send_gathered, cb.send_gathered)) for ca, cb in pairs]
+    bsplit = [round(fold.at(ca.send_grad_gathered, cb.send_grad_gathered)) for ca, cb in pairs]
+    send_f = [send(sent[k], split[k]) if k < n - 1 else 0.0 for k in range(n)]
+    send_b = [send(back[k + 1], bsplit[k + 1]) if k < n - 1 else 0.0 for k in range(n)]
     run = run_schedule(s.schedule, s.pp, s.virtual, s.microbatches, fwd, bwd, send_f, send_b)
     step = _pipeline_overlap(fold, plan_a, est_a, est_b, plan_b, device, run)
     return None if step is None else (step, max((f + b for f, b in zip(send_f, send_b)), default=0.0))

@@ -91,7 +91,14 @@ from spmdkit.planner.schedules import (
     schedule_order,
     weight_pending,
 )
-from spmdkit.planner.stage_costs import Grad, StageCost, reduce_gradients, single_bucket_ranks, stage_costs
+from spmdkit.planner.stage_costs import (
+    Grad,
+    StageCost,
+    reduce_gradients,
+    single_bucket_ranks,
+    stage_costs,
+    tp_ranks,
+)
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
@@ -422,12 +429,13 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     elif counts is None or recompute == MICROBATCH:
         raise ValueError("estimate_pipeline: given costs need their counts, and not microbatch recomputation")
     n = p * v
-    send = _sender(p, pp_link, device)
+    send = exchanger(plan, p, pp_link, device)
 
     tied = _sender(p, pp_link, device, "all_reduce")
     tied_s = [tied(sum(costs[c * p + r].tied_bytes for c in range(v))) for r in range(p)]
-    send_f = [send(costs[k].send_bytes) if k < n - 1 else 0.0 for k in range(n)]
-    send_b = [send(costs[k + 1].send_grad_bytes) if k < n - 1 else 0.0 for k in range(n)]
+    send_f = [send(costs[k].send_bytes, costs[k].send_gathered) if k < n - 1 else 0.0 for k in range(n)]
+    send_b = [send(costs[k + 1].send_grad_bytes, costs[k + 1].send_grad_gathered) if k < n - 1 else 0.0
+              for k in range(n)]
     overlap = plan.runtime.ep_comm_overlap  # one more warm-up forward (planner.schedules)
     flight = [in_flight(spec.schedule, p, v, m, r, int(overlap)) for r in range(p)]
     pend = [weight_pending(spec.schedule, p, m, r) for r in range(p)]
@@ -515,14 +523,15 @@ def plan_unit_costs(plan: Plan, p: int, device: Device | None = None, recompute:
             elif op.phase == "backward":
                 cs[stages[i]].backward_s += f
     grow = 1.0 + ALLOCATOR_RESERVE
-    send = _sender(p, pp_link, device)
+    send = exchanger(plan, p, pp_link, device)
+    mid = max(cs[1:-1], key=lambda c: c.send_bytes) if device is not None else None
     return UnitCosts(
         tuple(c.forward_s for c in cs), tuple(c.backward_s + c.recompute_s for c in cs),
         tuple(float(c.parameters + c.gradients + c.optimizer_states
                     + (c.unsharded_parameters + c.unsharded_gradients if p > 1 else 0)) for c in cs),
         tuple(c.stash_bytes * grow for c in cs), tuple(max(0, c.working_peak - c.stash_bytes) * grow for c in cs),
         tuple(c.weight_s for c in cs), tuple(c.wstash_bytes * grow for c in cs),
-        send(max(c.send_bytes for c in cs[1:-1])) if device is not None else 0.0)
+        send(mid.send_bytes, mid.send_gathered) if mid is not None else 0.0)
 
 
 def stages_auto(plan: Plan, spec: PipelineSpec, device: Device | None, pp_link: tuple[float, float],
@@ -686,6 +695,29 @@ def _sender(p: int, pp_link: tuple[float, float], device: Device | None,
         return (2 * alpha if kind == "all_reduce" else alpha) + b * beta
 
     return send
+
+
+def exchanger(plan: Plan, p: int, pp_link: tuple[float, float], device: Device | None
+              ) -> Callable[[int, int], float]:
+    """The time of one blocking pipeline exchange of ``b`` bytes of which ``g`` go scattered
+    (``StageCost.send_gathered``, ``--pp-scatter-gather``: Megatron-LM 2021-2022's
+    megatron/p2p_communication ``_communicate`` at de7dc40f88): each tp rank sends its 1/t chunk
+    of them (``split_tensor_into_1d_equal_chunks``) with the rest, then, the receive done, the
+    receivers all-gather the ``g`` bytes over the t ranks of tp on the device's links
+    (``gather_split_1d_tensor``: ``torch.distributed.all_gather`` over the tp group; tp ranks
+    fill a node first). Without ``g`` (or a device to time the all-gather on): :func:`_sender`."""
+    send = _sender(p, pp_link, device)
+    t = tp_ranks(plan)
+    fabric = Fabric.of(device.intra.bytes_per_s, device.inter.bytes_per_s, device.ranks_per_node,
+                       device.measured) if device is not None and t > 1 else None
+    group = Group(t, min(t, device.ranks_per_node) if device is not None else t)
+
+    def exchange(b: int, g: int = 0) -> float:
+        if fabric is None or g <= 0 or p == 1:
+            return send(b)
+        return send(b - g + g // t) + collective_time("all_gather", g, group, fabric)
+
+    return exchange
 
 
 def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: ScheduleRun,

@@ -49,6 +49,10 @@ class StageCost:
     optimizer_s: float = 0.0
     send_bytes: int = 0       # activations sent to the next stage (its gradients come back alike)
     send_grad_bytes: int = 0  # gradients sent to the previous stage
+    #: the parts of send_bytes / send_grad_bytes that ``--pp-scatter-gather`` sends as Megatron-LM
+    #: of 2021-2022 does: 1/t a tp rank, all-gathered over tp after the receive (:func:`scattered`)
+    send_gathered: int = 0
+    send_grad_gathered: int = 0
     parameters: int = 0
     gradients: int = 0
     optimizer_states: int = 0
@@ -337,9 +341,32 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
         size = nbytes(nm)
         g = nm + ".grad"
         gsize = nbytes(g) if g in prog.tensors and g in plan.attrs else size
+        split, gsplit = scattered(plan, nm), scattered(plan, g if g in plan.attrs else nm)
         for k in range(a, b):
             out[k].send_bytes += size
             out[k + 1].send_grad_bytes += gsize
+            out[k].send_gathered += size if split else 0
+            out[k + 1].send_grad_gathered += gsize if gsplit else 0
+
+
+def tp_ranks(plan: Plan) -> int:
+    """The ranks of the plan's ``tp`` mesh dim (1 without one)."""
+    names = plan.mesh.dim_names
+    return plan.mesh.shape[names.index("tp")] if "tp" in names else 1
+
+
+def scattered(plan: Plan, name: str) -> bool:
+    """``--pp-scatter-gather`` (Megatron-LM's ``scatter_gather_tensors_in_pipeline`` of 2021-2022,
+    megatron/p2p_communication at de7dc40f88 and cfd2e21607): a tensor crossing stages that every
+    tp rank holds whole (replicated over ``tp``, no sequence parallelism: Megatron turns it off
+    under ``--sequence-parallel``, whose activations are already split) is sent as one 1/t chunk a
+    rank (``split_tensor_into_1d_equal_chunks``) and all-gathered over tp after the receive
+    (``gather_split_1d_tensor``)."""
+    if not plan.runtime.pp_scatter_gather or tp_ranks(plan) <= 1 or name not in plan.attrs:
+        return False
+    tp = plan.mesh.dim_index("tp")
+    attr = plan.attrs[name]
+    return tp not in attr.sharded_mesh_dims() and tp not in attr.partial_dims
 
 
 def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm, rerun: set[int],

@@ -32,6 +32,11 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
 - ``p2p_overlap``: the interleaved pipeline's sends overlap the next unit's compute (Megatron's
   ``overlap_p2p_comm``, on by default since 2023); off (``--no-p2p-overlap``): every send blocks
   its sender, as Megatron-LM's ``batch_isend_irecv`` + ``torch.cuda.synchronize()`` of 2021-2022.
+- ``pp_scatter_gather``: under ``--framework megatron``, a pipeline exchange of a tensor every tp
+  rank holds whole (no sequence parallelism) sends 1/t of it a tp rank and all-gathers it over tp
+  after the receive, forward and backward (Megatron-LM 2021-2022's default,
+  ``--no-scatter-gather-tensors-in-pipeline`` off; megatron/p2p_communication at de7dc40f88);
+  off by default: Megatron-Core's p2p_communication (core_r0.8.0 and after) sends whole tensors.
 - ``grad_overlap``: the data-parallel gradient reductions run in buckets under the backward that
   makes them (Megatron-Core's ``--overlap-grad-reduce``, torch DDP, FSDP2); off
   (``--no-grad-overlap``): every gradient in one buffer per dtype, reduced after the last backward
@@ -155,6 +160,7 @@ class Runtime:
     moe_routing: str = "topk"
     ce_fusion: bool = False
     p2p_overlap: bool = True
+    pp_scatter_gather: bool = False
     ep_comm_overlap: bool = False
     grad_overlap: bool = True
     tp_allreduce_overlap: bool = True
@@ -179,6 +185,9 @@ class Runtime:
             _check_histogram(self.moe_histogram)
         if self.moe_histogram is not None and self.moe_skew != 1.0:
             raise ProgramError("--moe-skew and --moe-histogram: give one, not both")
+        if self.pp_scatter_gather and self.framework != "megatron":
+            raise ProgramError(f"--pp-scatter-gather: applies to --framework megatron only (Megatron-LM 2021-2022's "
+                               f"scatter_gather_tensors_in_pipeline), not --framework {self.framework}")
         if self.compile is not None and self.framework != "torchtitan":
             raise ProgramError(f"--{'' if self.compile else 'no-'}compile: applies to --framework torchtitan only "
                                f"(--framework {self.framework} runs fused Transformer Engine kernels)")
@@ -223,6 +232,8 @@ class Runtime:
             out["ce_fusion"] = True
         if not self.p2p_overlap:
             out["p2p_overlap"] = False
+        if self.pp_scatter_gather:
+            out["pp_scatter_gather"] = True
         if not self.grad_overlap:
             out["grad_overlap"] = False
         if not self.tp_allreduce_overlap:
