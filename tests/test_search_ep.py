@@ -104,8 +104,11 @@ def searches() -> tuple[Any, Any]:
 def test_the_search_finds_ep_no_slower_than_a_hand_ep_layout(searches: tuple[Any, Any]) -> None:
     full, _ = searches
     assert sum(1 for c in full.candidates if c.config.ep > 1) >= 20  # ep configurations were planned
-    best = full.best
-    assert best is not None and best.config.ep > 1  # the experts split over ep beat tp and pp here
+    # the best ep layout the search planned (the overall best is tp=4 megatron, 1.167 ms against ep=4's
+    # 1.196 ms, since Megatron's backward tp all-reduce runs beside the wgrad GEMM: Runtime.tp_allreduce_overlap;
+    # the experts over ep beat tp and pp before it)
+    best = min((c for c in full.candidates if c.fits and c.config.ep > 1), key=lambda c: c.step_s, default=None)
+    assert best is not None and full.best is not None and full.best.step_s <= best.step_s
     dev = DEVICES["h100"]
     for mesh, strategy in (("dp=2,ep=2,tp=1", "dp,ep,zero1"), ("dp=1,ep=4,tp=1", "dp,ep")):
         _m, plan, _ = plan_model(MOE, mesh, strategy)
