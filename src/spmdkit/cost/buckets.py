@@ -55,7 +55,6 @@ class Bucket:
                 "time_s": self.time_s}
 
 
-
 class Reducer:
     """The data-parallel gradient buckets, as the framework (``plan.runtime.framework``) makes
     them: one open bucket per (kind, mesh dims, reduce type, dtype), filled in the order the
@@ -82,6 +81,11 @@ class Reducer:
         self.free = 0.0  # when the communication stream is free
         self.first_cap = FIRST_BUCKET_BYTES
         self.launched: list[float] = []  # when each of ``buckets`` was launched
+
+    def reduced_bytes(self, dtype: str, size: int) -> int:
+        """The bytes a gradient of ``size`` bytes in ``dtype`` is reduced in (bf16 in fp32)."""
+        itemsize = self.reduce_itemsize.get(dtype, 0)
+        return size * itemsize // 2 if itemsize else size
 
     def _time(self, kind: str, dims: tuple[int, ...], size: int) -> float:
         return time_of(self.cost, kind, dims, size, self.mesh.shape)
@@ -122,9 +126,7 @@ class Reducer:
             self._launch(block, b[2], now)  # the previous layer's gradients are all made
         b = self.open.get(key)
         itemsize = self.reduce_itemsize.get(dtype, 0)
-        held = size
-        if itemsize:
-            size = size * itemsize // 2
+        held, size = size, self.reduced_bytes(dtype, size)
         if b is None:
             b = self.open[key] = [0, 0, now, self._cap(s.kind, s.mesh_dims, itemsize or 2), layer, 0]
         b[0] += 1

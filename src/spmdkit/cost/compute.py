@@ -272,7 +272,7 @@ def _grads_sharded_at_producer(plan: Plan) -> frozenset[str]:
     """The gradients reduce-scattered right after the op that makes them (ZeRO-2 / ZeRO-3:
     Megatron-FSDP's ``optim_grads`` / ``optim_grads_params``), memoised per plan."""
     return _SHARDED.get(id(plan), lambda: (plan, frozenset(
-        r.tensor for r in plan.reshards if r.output and any(s.kind == "reduce_scatter" for s in r.plan.steps))))[1]
+        r.tensor for r in plan.reshards if plan.reduce_scatters_at_producer(r))))[1]
 
 
 def fused_wgrad(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
@@ -314,7 +314,7 @@ def fused_wgrad(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     if wgemms <= 0:
         return c
     elems = numel(wt[0])
-    if not plan.runtime.wgrad_fusion:  # autograd adds the GEMM's gradient into param.grad: a kernel of its own
+    if not rt.wgrad_fusion:  # autograd adds the GEMM's gradient into param.grad: a kernel of its own
         return replace(c, cast_bytes=c.cast_bytes + ACCUMULATE_GRAD_READS_WRITES * wt[1] * elems)
     size = 1 if c.fp8 else wt[1]  # under --precision fp8 the wgrad GEMM reads the fp8 copies
     operands = sum(b * (m * k + k * n) for b, m, n, k in c.gemms[-wgemms:]) * size

@@ -178,18 +178,21 @@ class Device:
             return c.flops / ((self.peak.get(key) or self.peak["fp32"]) * (self.rates.gemm.get(key) or 0.8) *
                               self.tensor_clock)
         total = sum(2.0 * b * m * n * k for b, m, n, k in c.gemms)
-        rows = c.grouped_rows + ((),) * (len(c.gemms) - len(c.grouped_rows))
-        t = sum(2.0 * b * m * n * k / self.gemm_rate(key, b, m, n, k, r) for (b, m, n, k), r in zip(c.gemms, rows))
+        t = sum(self._gemm_times(c, key))
         return t * (c.flops / total) if total > 0 else c.flops / self.matmul_peak(c.dtype)
 
-    def _wgrad_time(self, c: OpCost) -> float:
-        """The compute time of ``c``'s weight-gradient GEMMs (its last ``wgrad_gemms``), their share
-        of :meth:`compute_time`."""
-        key = "fp8" if c.fp8 else self._key(c.dtype)
+    def _gemm_times(self, c: OpCost, key: str) -> list[float]:
+        """Each of ``c``'s GEMMs at its shape's rate for dtype ``key`` (a grouped one's rows:
+        ``c.grouped_rows``)."""
         rows = c.grouped_rows + ((),) * (len(c.gemms) - len(c.grouped_rows))
-        ts = [2.0 * b * m * n * k / self.gemm_rate(key, b, m, n, k, r) for (b, m, n, k), r in zip(c.gemms, rows)]
+        return [2.0 * b * m * n * k / self.gemm_rate(key, b, m, n, k, r) for (b, m, n, k), r in zip(c.gemms, rows)]
+
+    def _wgrad_time(self, c: OpCost, compute: float) -> float:
+        """The compute time of ``c``'s weight-gradient GEMMs (its last ``wgrad_gemms``): their share
+        of ``compute`` (:meth:`compute_time` of ``c``) by their GEMMs' times."""
+        ts = self._gemm_times(c, "fp8" if c.fp8 else self._key(c.dtype))
         total = sum(ts)
-        return self.compute_time(c) * sum(ts[-c.wgrad_gemms:]) / total if total > 0 else 0.0
+        return compute * sum(ts[-c.wgrad_gemms:]) / total if total > 0 else 0.0
 
     def op_time(self, c: OpCost) -> float:
         """The time of an op's cost on this device, the one place it is computed:
@@ -201,11 +204,12 @@ class Device:
         if c.kernels == 0:
             return 0.0
         bw = self.hbm_rate
+        compute = self.compute_time(c)
         if c.wgrad_bytes > 0 and 0 < c.wgrad_gemms <= len(c.gemms):
-            tw = self._wgrad_time(c)
-            t = max(self.compute_time(c) - tw, (c.bytes - c.wgrad_bytes) / bw) + max(tw, c.wgrad_bytes / bw)
+            tw = self._wgrad_time(c, compute)
+            t = max(compute - tw, (c.bytes - c.wgrad_bytes) / bw) + max(tw, c.wgrad_bytes / bw)
         else:
-            t = max(self.compute_time(c), c.bytes / bw)
+            t = max(compute, c.bytes / bw)
         kernels = max(c.kernels, len(c.gemms))
         if c.cast_bytes:
             t += c.cast_bytes / bw

@@ -731,15 +731,21 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
     order = sorted(prefetch)
     first_of = {first: g for g, (_t, first) in prefetch.items()}
     done: dict[int, float] = {}
+
+    def end_of_backward() -> None:
+        """The buckets still open launched, and the copy-ins of those the backward's end launches."""
+        nonlocal fb, clock, flushed, serial_compute, tail
+        fb = clock
+        clock = red.flush(clock)
+        flushed = True
+        pre = red.take()
+        copies["backward"] = copies.get("backward", 0.0) + pre
+        serial_compute += pre
+        tail = clock - fb - pre
+
     for i, op in enumerate(plan.program.ops):
         if op.phase == "optimizer" and not flushed:
-            fb = clock
-            clock = red.flush(clock)
-            flushed = True
-            pre = red.take()  # the copy-ins of the buckets launched at the backward's end
-            copies["backward"] = copies.get("backward", 0.0) + pre
-            serial_compute += pre
-            tail = clock - fb - pre
+            end_of_backward()
         pre = red.take()  # the copy-ins the op before launched, before this op
         wait = 0.0
         if groups and (i == 0 or groups[i] != groups[i - 1]):
@@ -764,12 +770,7 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
         for dt, s, size in pending.get(i, []):
             red.add(dt, s, size, clock, op.layer)
     if not flushed:
-        fb = clock
-        clock = red.flush(clock)
-        pre = red.take()
-        copies["backward"] = copies.get("backward", 0.0) + pre
-        tail = clock - fb - pre
-        serial_compute += pre
+        end_of_backward()
     return _Run(clock, serial_compute, timeline, red.buckets, fb, tail, copies)
 
 
@@ -947,9 +948,8 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     est.cp_imbalance = max((causal_imbalance(c.ranks, c.balanced, c.causal) for c in cps if c.variant != "alltoall"),
                            default=1.0)
     est.cp = max((c.ranks for c in cps), default=1)
-    before = prior  # the micro-steps before the last
     blocking = sum(b for _i, _t, b, _r, _c in run.timeline) \
-        + (accum - 1) * sum(b for _i, _t, b, _r, _c in before.timeline)
+        + (accum - 1) * sum(b for _i, _t, b, _r, _c in prior.timeline)  # the micro-steps before the last
     tail = run.tail_s + (accum - 1) * (early.tail_s if early is not None else 0.0)
     est.exposed_s = {"blocking": blocking, "gradient_buckets": tail, "param_gathers": gathers_exposed,
                      "regathers": est.exposed_comm_s - blocking - tail - gathers_exposed}

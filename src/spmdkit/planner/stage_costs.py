@@ -136,12 +136,12 @@ def _fsdp2_copies(plan: Plan, out: list[StageCost], rate: float) -> None:
     parameters read and written (``foreach_all_gather_copy_out``), each reduce-scattered gradient
     read and its reduce-dtype input written (``foreach_reduce_scatter_copy_in``), the gradient read
     in fp32 where it was accumulated unsharded in the reduce dtype (``to_accumulated_grad_if_needed``)."""
-    itemsize = Reducer(plan).reduce_itemsize
+    red = Reducer(plan)
     for sc in out:
         sc.copy_out_s = 2 * sc.unsharded_parameters / rate
         for _f, dt, st, size, _layer in sc.grads:
             if st.kind == "reduce_scatter":
-                wrote = size * itemsize[dt] // 2 if itemsize.get(dt) else size
+                wrote = red.reduced_bytes(dt, size)
                 sc.copy_in_s += (wrote + (wrote if sc.unsharded_gradients else size)) / rate
 
 
@@ -351,8 +351,7 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
 
 def tp_ranks(plan: Plan) -> int:
     """The ranks of the plan's ``tp`` mesh dim (1 without one)."""
-    names = plan.mesh.dim_names
-    return plan.mesh.shape[names.index("tp")] if "tp" in names else 1
+    return plan.mesh.dim_size("tp") if "tp" in plan.mesh.dim_names else 1
 
 
 def scattered(plan: Plan, name: str) -> bool:

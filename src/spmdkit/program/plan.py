@@ -93,6 +93,12 @@ class Plan:
             return self.grad_accum
         return 1
 
+    @staticmethod
+    def reduce_scatters_at_producer(r: Reshard) -> bool:
+        """Reshard ``r`` reduce-scatters its tensor right after the op that makes it (a ZeRO-2 /
+        ZeRO-3 gradient held at its shard)."""
+        return r.output and any(s.kind == "reduce_scatter" for s in r.plan.steps)
+
     def reduced_each_microstep(self, r: Reshard, param_grads: frozenset[str] | None = None,
                                pipeline: bool = False) -> bool:
         """Reshard ``r`` reduce-scatters a parameter gradient right after the op that makes it
@@ -101,7 +107,7 @@ class Plan:
         ``pipeline``: the plan is one microbatch's step of a pipeline's stages, whose
         microbatches are the micro-steps); otherwise a gradient is accumulated unreduced over
         the micro-steps and reduced in the last one."""
-        if not r.output or not any(s.kind == "reduce_scatter" for s in r.plan.steps):
+        if not self.reduce_scatters_at_producer(r):
             return False
         pg = self.param_grads() if param_grads is None else param_grads
         return r.tensor in pg and reduces_each_microstep(self.runtime.framework, 2, pipeline=pipeline)
