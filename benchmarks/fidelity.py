@@ -599,21 +599,35 @@ def _memory_gib(d: dict[str, Any], key: str = "reserved") -> float:
     return float(d["memory"][key]) / GIB
 
 
-def _phase_s(d: dict[str, Any], phases: tuple[str, ...] = ("forward", "backward", "recompute")) -> float:
-    """Compute and communication of ``phases`` (default forward + backward + recomputation) of a
-    one-microbatch flat plan; the collectives inside ops (the loss's) with the forward."""
+def _forward_s(d: dict[str, Any]) -> float:
+    """The forward of a one-microbatch flat plan: its compute and its collectives (a forward's
+    tensor-parallel collectives block the next op), the collectives inside ops (the loss's)
+    with it."""
     st = d["step"]
-    c, k = st["compute_s"], st["comm_s"]
-    return sum(float(c.get(p, 0.0)) + float(k.get(p, 0.0)) for p in phases) \
-        + (float(k.get("inside_ops", 0.0)) if "forward" in phases else 0.0)
+    return float(st["compute_s"]["forward"]) + float(st["comm_s"]["forward"]) \
+        + float(st["comm_s"].get("inside_ops", 0.0))
 
 
-#: Table 4's halves: its forward, and its backward with the recomputation run in it
-LAYER_HALVES = {"layer_forward_ms": ("forward",), "layer_backward_ms": ("backward", "recompute")}
+def _layers_wall_s(d: dict[str, Any]) -> float:
+    """The forward, recomputation and backward of a one-microbatch flat plan as the step prices
+    them: the step less its optimizer, so a collective the step hides (the backward's
+    tensor-parallel all-reduce beside the weight-gradient GEMM) is not counted as if it blocked."""
+    st = d["step"]
+    return float(st["step_overlap_s"]) - float(st["compute_s"].get("optimizer", 0.0)) \
+        - float(st["comm_s"].get("optimizer", 0.0))
+
+
+def layer_halves_ms(d1: dict[str, Any], d2: dict[str, Any]) -> dict[str, float]:
+    """Table 4's halves (ms) of one layer, the difference of a 2-layer plan ``d2`` and a 1-layer
+    plan ``d1``: its forward, and its backward with the recomputation run in it (the rest of the
+    layer's wall time in the step)."""
+    fwd = 1e3 * (_forward_s(d2) - _forward_s(d1))
+    whole = 1e3 * (_layers_wall_s(d2) - _layers_wall_s(d1))
+    return {"layer_forward_ms": fwd, "layer_backward_ms": whole - fwd}
 
 
 def layer_line(b: dict[str, float], measured: dict[str, Any]) -> str:
-    """A Table 4 run's predicted layer forward and backward (``b``: :data:`LAYER_HALVES`, ms)
+    """A Table 4 run's predicted layer forward and backward (``b``: :func:`layer_halves_ms`)
     beside the measured ones."""
     parts = [f"{k.removeprefix('layer_').removesuffix('_ms')} {v:.2f} ms (measured {measured[k]:g})"
              for k, v in b.items()]
@@ -658,8 +672,8 @@ def _planned(argv: list[str], argv2: list[str] | None) -> dict[str, Any]:
            "step": _step(d)[0]}
     if argv2 is not None:
         d2 = run_cli(argv2)
-        got["layer_s"] = _phase_s(d2) - _phase_s(d)
-        got["layer_halves"] = {k: 1e3 * (_phase_s(d2, ph) - _phase_s(d, ph)) for k, ph in LAYER_HALVES.items()}
+        got["layer_halves"] = layer_halves_ms(d, d2)
+        got["layer_s"] = 1e-3 * sum(got["layer_halves"].values())
     return got
 
 
