@@ -17,7 +17,8 @@ Units, as the runs file's README says to compare them:
   V/(16 l h))`` per iteration (it counts the recompute forward) over the predicted step;
 - Korthikanti et al. (2022): ``step_time_s`` directly; ``mfu_pct`` by their eq. 7 (model FLOPs
   ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``, 312 TFLOP/s peak); Table 4's one-layer forward and
-  backward milliseconds as the difference of a 2-layer and a 1-layer plan;
+  backward milliseconds as the difference of a 2-layer and a 1-layer plan, each the step as it
+  overlaps its collectives less the optimizer;
 - Megatron-LM (``tflops_per_gpu``): Megatron-Core's FLOP count
   (``megatron/training/training.py: num_floating_point_operations``);
 - NeMo and torchtitan: ``tokens_per_sec_per_gpu`` (no FLOP definition needed); torchtitan's
