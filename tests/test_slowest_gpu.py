@@ -19,10 +19,11 @@ from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import DEVICES, cost_model, device_from_json, expected_max_normal, recost
 from spmdkit.cost.rates import GPU_SPEED_SD
-from spmdkit.cost.step import estimate_step
+from spmdkit.cost.step import StepEstimate, estimate_step
 from spmdkit.engine.facts import OpCost
 from spmdkit.outputs.report import write_estimate
 from spmdkit.planner.planning import plan_model
+from spmdkit.planner.search import search_meshes
 
 H100 = DEVICES["h100"]
 #: 8% = 4 IQR / median (the artifact's plot_aggregated.py), IQR = 2 x 0.6744898 sd for a normal spread
@@ -133,3 +134,10 @@ def test_the_cli_counts_the_whole_mesh_a_pipelines_too(capsys: pytest.CaptureFix
     assert piped["pipeline"]["slowest_gpu"]["gpus"] == 8  # type: ignore[index]
     assert "compute_s" not in piped["pipeline"]["slowest_gpu"]  # type: ignore[index,operator]
     assert replace(H100, gpus=1).slowdown == 1.0
+
+
+def test_the_search_prices_every_configuration_on_all_its_gpus() -> None:
+    res = search_meshes("tiny-gpt2", 4, "h100", recompute=["none"], strategies=["dp", "megatron"])
+    flat = [c for c in res.candidates if isinstance(c.estimate, StepEstimate)]
+    assert flat and {c.estimate.device.gpus for c in flat} == {4}  # dp=4, tp=4, dp=2 x tp=2 alike
+    assert all(c.estimate.to_json()["slowest_gpu"]["slowdown"] == H100.at(4).slowdown for c in flat)
