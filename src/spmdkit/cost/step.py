@@ -251,7 +251,8 @@ def _compute_ops(plan: Plan, device: Device) -> _Compute:
         out.times.append(t)
         out.slow.append(slow)
         out.by_phase[op.phase] = out.by_phase.get(op.phase, 0.0) + t
-        out.slow_by_phase[op.phase] = out.slow_by_phase.get(op.phase, 0.0) + slow
+        if slow:
+            out.slow_by_phase[op.phase] = out.slow_by_phase.get(op.phase, 0.0) + slow
         out.flops += c.flops
         out.model_flops += c.model_flops
         out.bytes += c.bytes
@@ -620,7 +621,8 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
             if c.matmul:
                 out.matmul_flops += c.model_flops
             comp.by_phase["recompute"] = comp.by_phase.get("recompute", 0.0) + comp.times[j]
-            comp.slow_by_phase["recompute"] = comp.slow_by_phase.get("recompute", 0.0) + comp.slow[j]
+            if comp.slow[j]:
+                comp.slow_by_phase["recompute"] = comp.slow_by_phase.get("recompute", 0.0) + comp.slow[j]
             cm = comm.exposed(j, comp.times) + kern_by_op.get(j, 0.0)
             comm.by_phase["recompute"] = comm.by_phase.get("recompute", 0.0) + cm
             out.extra_at[at] = out.extra_at.get(at, 0.0) + comp.times[j] + cm
