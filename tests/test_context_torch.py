@@ -177,7 +177,7 @@ def test_compiled_grad_shares_the_recomputed_gather_in_time_by_hand(monkeypatch:
              "batch": 1}
     plan = plan_model("llama-7b", "cp=2", "cp", small)[1]
     titan = replace(plan, runtime=Runtime(framework="torchtitan", compile=True))
-    dev = preset_device("h100")
+    dev = preset_device("h100").lockstep(titan.mesh.size)  # as the step runs it: one of the mesh's GPUs
     ops = titan.program.ops
     shared = shared_gathers(titan, mem.rerun_points(titan, mem.saved_activations(titan, "full"))[0])
     assert len(shared) == 2 and all(ops[i].rule == "cp_attention_grad" for i in shared)

@@ -29,7 +29,8 @@ def _plan(framework: str):  # type: ignore[no-untyped-def]
     dev = preset_device("h100")
     _, plan, _ = plan_model("llama-7b", "dp=8", "zero3", {"layers": 2})
     plan = recost(plan, cost_model(plan.mesh, dev))
-    return replace(plan, runtime=Runtime(framework=framework)), dev
+    # one of the mesh's 8 GPUs, as estimate_step runs it (Device.lockstep: the slowest one's pace)
+    return replace(plan, runtime=Runtime(framework=framework)), dev.lockstep(plan.mesh.size)
 
 
 def _ag(params: int) -> float:

@@ -164,8 +164,8 @@ def test_zb_h1_weight_share_and_memory_on_a_plan(small: tuple) -> None:
     one = estimate_pipeline(plan, parse_spec(4, 8, "1f1b"), counts, dev)
     zb = estimate_pipeline(plan, parse_spec(4, 8, "zbh1"), counts, dev)
     assert zb.spec.schedule == "zb-h1"
-    # W: half of each weight GEMM's backward (dW = X^T dY beside dX = dY W^T)
-    oc = op_communication(plan, dev)
+    # W: half of each weight GEMM's backward (dW = X^T dY beside dX = dY W^T), on one of the pipeline's GPUs
+    oc = op_communication(plan, dev.lockstep(plan.mesh.size * 4))
     stages = op_stages(plan.program, counts)
     prog = plan.program
     for k, st in enumerate(zb.stages):
@@ -220,7 +220,7 @@ def test_recompute_full_k_layers_per_stage(small: tuple) -> None:
 
 def test_plan_unit_costs_add_up_to_the_stages(small: tuple) -> None:
     _model, plan, _spec, counts, _s = small
-    dev = preset_device("h100")
+    dev = preset_device("h100").lockstep(plan.mesh.size * 4)  # one of the pipeline's GPUs, as plan_unit_costs
     u = plan_unit_costs(plan, 4, dev)
     assert u.layers == 8
     st = stage_costs(plan, op_stages(plan.program, counts), counts, dev)

@@ -79,6 +79,7 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
         device = load_device(str(req.links.device))
         if req.links.nodes_of:
             device = replace(device, ranks_per_node=int(req.links.nodes_of))
+        device = device.lockstep(full.size)  # every stage's GPUs step together
     got = plan_pipeline_source(source, req.mesh_text, req.strategy, spec_args, user, req.links.cost,
                                parse_tp_plan(m.tp_plan), _stage_search(req, device))
     full_links = replace(req.links, cost=pp_cost_text(req.links.cost, full))

@@ -10,6 +10,8 @@ links. Standard library only. docs/devices.md.
   place it is computed: ``max(flops / achievable rate, bytes / achievable bandwidth)``, at least
   the kernel launch floor, plus fp8 casts.
 - :func:`load_device`: a preset name or the path of a JSON file (:func:`device_from_json`).
+- :meth:`Device.lockstep`: the device as one of the ``n`` GPUs of a training step, which waits
+  for the slowest of them (:meth:`Device.slowdown`, :func:`expected_max_normal`).
 - :func:`recost` (plan, cost model): the plan's reshards timed by other links.
 """
 
@@ -18,7 +20,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
@@ -29,6 +33,7 @@ from spmdkit.cost.measured import Measured, parse_measured
 from spmdkit.cost.rates import (
     A100_40_RATES,
     A100_RATES,
+    GPU_SPEED_SD,
     H100_RATES,
     H200_RATES,
     Rates,
@@ -52,7 +57,28 @@ PEAK_KEYS = ("bf16", "fp16", "tf32", "fp32", "fp64", "fp8")
 #: the rates of a device file with no ``base`` and no ``efficiency``: the middle of the presets'
 #: (docs/devices.md, "Achievable rates")
 GENERIC_RATES = Rates(132, {"bf16": 0.8, "fp16": 0.8, "tf32": 0.8, "fp32": 0.95, "fp8": 0.68},
-                      {"fa2": (0.6, 0.5)}, {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.88)
+                      {"fa2": (0.6, 0.5)}, {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.88,
+                      speed_sd=GPU_SPEED_SD)
+
+
+def _simpson(f: Callable[[float], float], a: float, b: float, k: int) -> float:
+    h = (b - a) / k
+    return (f(a) + f(b) + sum((4 if i % 2 else 2) * f(a + i * h) for i in range(1, k))) * h / 3
+
+
+@lru_cache(maxsize=256)
+def expected_max_normal(n: int) -> float:
+    """The expected largest of ``n`` independent standard normal draws (0 for one):
+    ``E = int_0^inf (1 - Phi(x)^n) dx - int_-inf^0 Phi(x)^n dx``, by Simpson's rule on [0, 12]
+    and [-9, 0] (Tippett 1925's and Harter 1961's tables: 0.56419 = 1/sqrt(pi) for 2, 1.42360
+    for 8, 2.50759 for 100)."""
+    if n <= 1:
+        return 0.0
+
+    def cdf_n(x: float) -> float:
+        return (0.5 * math.erfc(-x / math.sqrt(2.0))) ** n
+
+    return _simpson(lambda x: 1.0 - cdf_n(x), 0.0, 12.0, 6000) - _simpson(cdf_n, -9.0, 0.0, 4500)
 
 
 @dataclass(frozen=True)
@@ -86,6 +112,47 @@ class Device:
     measured: Measured | None = None
     #: the fractions of the peaks real kernels reach (:mod:`spmdkit.cost.rates`)
     rates: Rates = GENERIC_RATES
+    #: the GPUs that run the training step together (:meth:`lockstep`; 1: this one alone)
+    gpus: int = 1
+    #: this device at other ``gpus`` (:meth:`at`), shared by all of them: one object per count,
+    #: so the caches keyed by a device's id see the same one
+    _at: dict[int, Device] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def at(self, gpus: int) -> Device:
+        """This device as one of ``gpus`` GPUs running a step together (the same object for the
+        same count)."""
+        if gpus == self.gpus:
+            return self
+        got = self._at.get(gpus)
+        if got is None:
+            self._at.setdefault(self.gpus, self)
+            got = replace(self, gpus=gpus)
+            object.__setattr__(got, "_at", self._at)  # (frozen) one table for all counts
+            self._at[gpus] = got
+        return got
+
+    def lockstep(self, gpus: int) -> Device:
+        """This device in a step of at least ``gpus`` GPUs (the count given before stays when it
+        is larger: a pipeline's stage is planned on the sub-mesh of its stage, the step runs on
+        them all)."""
+        return self.at(max(self.gpus, gpus))
+
+    @property
+    def slowdown(self) -> float:
+        """A tensor-core kernel's time on the slowest of :attr:`gpus` GPUs over the median GPU's:
+        ``1 + speed_sd x E[max of gpus standard normals]`` (:func:`expected_max_normal`). Every
+        GPU's clock settles where its power management puts it under the load, and GPUs of one
+        SKU settle apart (Sinha et al. 2022, :data:`spmdkit.cost.rates.GPU_SPEED_SD`); a
+        synchronous step waits at its collectives for the slowest rank, so all of them run at its
+        pace. 1 for one GPU."""
+        return 1.0 + self.rates.speed_sd * expected_max_normal(self.gpus)
+
+    def slowest_json(self, added_s: float | None = None) -> dict[str, Any]:
+        """:attr:`slowdown` as the JSON shows it: the GPUs of the step, the spread of their
+        tensor-core time (``speed_sd``), the slowest GPU's expected distance from the median in
+        standard deviations, the slowdown, and (``added_s``) the compute seconds it adds."""
+        return {"gpus": self.gpus, "speed_sd": self.rates.speed_sd, "expected_max_sd": expected_max_normal(self.gpus),
+                "slowdown": self.slowdown, **({"compute_s": added_s} if added_s is not None else {})}
 
     def _key(self, dtype: str) -> str:
         key = _PEAK_OF_DTYPE.get(dtype, "fp32")
@@ -116,7 +183,7 @@ class Device:
         if self.measured is not None:
             got = measured_gemm(self.measured, key, batch * m, n, k)
             if got is not None:
-                return got
+                return got / self.slowdown
         peak = self.peak.get(key)
         if peak is None:
             if key == "fp8":
@@ -129,9 +196,10 @@ class Device:
     def tensor_clock(self) -> float:
         """What scales every modelled tensor-core rate (GEMMs, flash attention): the clock under a
         power limit times the share of the microbenchmarked rates sustained through training
-        (:attr:`spmdkit.cost.rates.Rates.clock`, :attr:`~spmdkit.cost.rates.Rates.sustained`);
-        measured rates (``spmdkit calibrate``) are taken as they are."""
-        return self.rates.clock * self.rates.sustained
+        (:attr:`spmdkit.cost.rates.Rates.clock`, :attr:`~spmdkit.cost.rates.Rates.sustained`),
+        over the slowest GPU's :attr:`slowdown`; measured rates (``spmdkit calibrate``, one GPU)
+        are taken as they are, over the :attr:`slowdown` alone."""
+        return self.rates.clock * self.rates.sustained / self.slowdown
 
     def attention_rate(self, c: OpCost) -> float:
         """FLOP/s of a flash-attention pass (``c.attention``): measured (the nearest point), else
@@ -143,7 +211,7 @@ class Device:
         if self.measured is not None:
             got = measured_attention(self.measured, key, backward, seq, hd, causal)
             if got is not None:
-                return got
+                return got / self.slowdown
         kernel = self.rates.attention_kernel.get(c.framework or "megatron", "")
         return self.matmul_peak(c.dtype) * attention_efficiency(self.rates, kernel, backward, seq, hd, causal) * \
             self.tensor_clock
@@ -425,5 +493,5 @@ def recost(plan: Plan, cost: CostModel) -> Plan:
     return replace(plan, ops=ops, reshards=[rs(r) for r in plan.reshards], cost=cost)
 
 
-__all__ = ["preset_of_gpu", "DEVICES", "GENERIC_RATES", "PEAK_KEYS", "Device", "Link", "cost_model", "device_from_json", "load_device", "preset_device",
-           "recost"]
+__all__ = ["preset_of_gpu", "DEVICES", "GENERIC_RATES", "PEAK_KEYS", "Device", "Link", "cost_model", "device_from_json",
+           "expected_max_normal", "load_device", "preset_device", "recost"]

@@ -19,6 +19,9 @@ datasheet peaks. Standard library only. docs/devices.md, "Achievable rates".
   rate, scaled by the rated tensor-core peak NVIDIA gives the same GPU at that power.
 - The share of those microbenchmarked rates sustained through training steps (``sustained``):
   calibrated on the published H100 runs (:data:`HOPPER_SUSTAINED`; A100: 1).
+- The spread of that speed over the GPUs of one SKU (``speed_sd``, :data:`GPU_SPEED_SD`: Sinha et
+  al. 2022): a step of ``n`` GPUs waits for the slowest, the expected maximum of ``n`` draws
+  (:meth:`spmdkit.cost.devices.Device.slowdown`).
 - Every kernel takes at least ``launch_s`` (an eager framework issues one kernel per op; a
   kernel shorter than the launch rate leaves the GPU waiting on the host).
 - :class:`spmdkit.cost.measured.Measured` (``spmdkit calibrate``) overrides the model:
@@ -91,16 +94,30 @@ class Rates:
     #: NVIDIA's datasheets; :func:`clock_at_power` interpolates them. Empty: not known
     power_points: tuple[tuple[float, float], ...] = ()
     gemm_k: Mapping[str, float] = field(default_factory=dict)
+    #: the standard deviation of one GPU's tensor-core kernel time over the GPUs of the SKU, a
+    #: fraction of the median GPU's (:data:`GPU_SPEED_SD`); 0: every GPU runs at the median
+    speed_sd: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"sms": self.sms, "gemm": dict(self.gemm), "clock": self.clock, "sustained": self.sustained,
                 "attention": {k: {"fwd": f, "bwd": b} for k, (f, b) in self.attention.items()},
                 "attention_kernel": dict(self.attention_kernel), "hbm": self.hbm, "launch_us": self.launch_s * 1e6,
                 "k0": self.k0, "s0": self.s0, "d0": self.d0, "power_points": [list(p) for p in self.power_points],
-                "gemm_k": dict(self.gemm_k)}
+                "gemm_k": dict(self.gemm_k), "speed_sd": self.speed_sd}
 
 
 # -- the presets (docs/devices.md, "Achievable rates", gives every source) -------------------------
+
+#: Sinha et al., "Not All GPUs Are Created Equal: Characterizing Variability in Large-Scale,
+#: Accelerator-Rich Systems" (SC22, arXiv 2208.11035 v3): over 90% of the GPUs of five clusters
+#: (Summit, Vortex, Frontera, Longhorn: V100; Corona: MI60), the same application on each GPU
+#: alone, "8% (max 22%) average performance variation" though the SKU is the same (manufacturing
+#: variability under the chip's power management). Their variation is the box plot's whisker span
+#: over the median (the authors' artifact, hal-uw/gpu_variability_sc22_artifact
+#: plot_script/plot_aggregated.py: ``range = q3 + 1.5 * iqr - (q1 - 1.5 * iqr)``, ``range/q2``):
+#: 4 interquartile ranges. A normal spread has an IQR of ``2 x 0.67449`` standard deviations, so
+#: 8% is a standard deviation of ``0.08 / (4 x 2 x 0.67449)`` = 0.01483 of the median's time.
+GPU_SPEED_SD = 0.08 / (4 * 2 * 0.6744897501960817)
 
 #: A100 SXM4: 108 SMs (NVIDIA A100 whitepaper). bf16/fp16 ceiling 0.859 = 267.9 / 312 TFLOP/s, the
 #: best cuBLAS matmul measured by ml-engineering's mamf-finder (CUDA 12.1), at 6912x2048x16384
@@ -110,9 +127,9 @@ class Rates:
 _A100_GEMM = 267.9 / 312
 A100_RATES = Rates(108, {"bf16": _A100_GEMM, "fp16": _A100_GEMM, "tf32": _A100_GEMM, "fp32": 0.95},
                    {"fa2": (0.70, 0.58)}, {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.86,
-                   gemm_k={"bf16": 16384, "fp16": 16384, "tf32": 16384})
+                   gemm_k={"bf16": 16384, "fp16": 16384, "tf32": 16384}, speed_sd=GPU_SPEED_SD)
 A100_40_RATES = Rates(108, A100_RATES.gemm, A100_RATES.attention, A100_RATES.attention_kernel, hbm=0.88,
-                      gemm_k=A100_RATES.gemm_k)
+                      gemm_k=A100_RATES.gemm_k, speed_sd=GPU_SPEED_SD)
 #: H100 SXM5: 132 SMs (NVIDIA H100 whitepaper). bf16 ceiling 792.1 / 989 (mamf-finder, CUDA 12.1,
 #: at 6144x2816x17920: four full waves of 128x256 tiles; its torch 2.7 rerun 794.5 at
 #: 2048x2048x13312). fp8 (``float8_e4m3fn``) 1402.6 / 1979 = 0.709 (mamf-finder, torch 2.7.0+cu126,
@@ -144,11 +161,12 @@ HOPPER_SUSTAINED = 0.79
 H100_RATES = Rates(132, {"bf16": _H100_GEMM, "fp16": _H100_GEMM, "tf32": _H100_GEMM, "fp32": 0.95, "fp8": _H100_FP8},
                    {"fa2": _FA2_H100, "cudnn": _CUDNN_H100}, {"megatron": "cudnn", "torchtitan": "fa2"},
                    hbm=0.90, power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K,
-                   sustained=HOPPER_SUSTAINED)
+                   sustained=HOPPER_SUSTAINED, speed_sd=GPU_SPEED_SD)
 #: H200 SXM5: the H100's GPU (132 SMs, the same peaks) with HBM3e at 4.8 TB/s; its larger power
 #: budget holds clocks a little better (GH200 0.83): the H100's fractions, HBM ~0.88.
 H200_RATES = Rates(132, H100_RATES.gemm, H100_RATES.attention, H100_RATES.attention_kernel, hbm=0.88,
-                   power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K, sustained=HOPPER_SUSTAINED)
+                   power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K, sustained=HOPPER_SUSTAINED,
+                   speed_sd=GPU_SPEED_SD)
 
 
 def clock_at_power(rates: Rates, watts: float, name: str) -> float:
@@ -292,7 +310,9 @@ def measured_attention(measured: Measured, key: str, backward: bool, seq: int, h
 # -- a device file's "efficiency" object ----------------------------------------------------------
 
 _FIELDS = ("sms", "gemm", "attention", "attention_kernel", "hbm", "launch_us", "k0", "s0", "d0", "clock", "sustained",
-           "power_points", "gemm_k")
+           "power_points", "gemm_k", "speed_sd")
+#: the largest ``speed_sd`` a device file may give (half the median GPU's time)
+MAX_SPEED_SD = 0.5
 
 
 def _frac(where: str, v: Any) -> float:
@@ -374,6 +394,13 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
             raise ProgramError("--device efficiency.power_points: expected a list of [watts, clock fraction] pairs")
         got["power_points"] = tuple((_positive("power_points watts", w, 1e5), _frac("power_points fraction", f))
                                     for w, f in pp)
+    if "speed_sd" in obj:
+        v = obj["speed_sd"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_SPEED_SD:
+            raise ProgramError(f"--device efficiency.speed_sd: expected the standard deviation of a GPU's tensor-core "
+                               f"time over the GPUs of its SKU, a fraction from 0 to {MAX_SPEED_SD:g} of the median "
+                               f"GPU's (0: none), got {json.dumps(v)[:40]}")
+        got["speed_sd"] = float(v)
     if "launch_us" in obj:
         got["launch_s"] = _positive("launch_us", obj["launch_us"], 1e6) * 1e-6
     for key in ("k0", "s0", "d0"):
@@ -387,6 +414,6 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
     return new
 
 
-__all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "H100_RATES", "H200_RATES", "HOPPER_POWER", "HOPPER_SUSTAINED", "K0_SCALE", "RowGroup", "TILES",
+__all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "GPU_SPEED_SD", "H100_RATES", "H200_RATES", "HOPPER_POWER", "HOPPER_SUSTAINED", "K0_SCALE", "RowGroup", "TILES",
            "Rates", "attention_efficiency", "clock_at_power", "gemm_efficiency", "measured_attention", "measured_gemm", "parse_rates",
            "expected_tiles", "grouped_efficiency", "grouped_tile_utilisation", "tile_wave_utilisation"]

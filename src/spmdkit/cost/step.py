@@ -107,6 +107,10 @@ class StepEstimate:
     #: all-gathers of kept shards, sequence parallelism's norm outputs, and the collectives of
     #: recomputed ops, less what their dgrad GEMM covers); they sum to :attr:`exposed_comm_s`
     exposed_s: dict[str, float] = field(default_factory=dict)
+    #: the compute seconds the slowest of the step's GPUs adds to the median GPU's (its tensor-core
+    #: kernels :attr:`spmdkit.cost.devices.Device.slowdown` times as long): part of
+    #: :attr:`compute_s`
+    slowest_gpu_s: float = 0.0
 
     @property
     def compute_total_s(self) -> float:
@@ -166,6 +170,7 @@ class StepEstimate:
                                            **{p: u.to_json() if (u := self.torch_cp_op(p)) else None
                                               for p in ("forward", "backward")}}
                 if self.torch_cp else None,
+                "slowest_gpu": self.device.slowest_json(self.slowest_gpu_s),
                 "comm_total_s": self.comm_total_s, "step_serial_s": self.step_serial_s,
                 "step_overlap_s": self.step_overlap_s, "exposed_comm_s": self.exposed_comm_s,
                 "exposed_s": dict(self.exposed_s),
@@ -209,6 +214,10 @@ class _Compute:
     bytes: float = 0.0
     matmul_s: float = 0.0
     memory_bound: int = 0
+    #: per op, the seconds its time on the slowest of the step's GPUs adds to the median GPU's
+    #: (:attr:`spmdkit.cost.devices.Device.slowdown`: tensor-core ops only), and their sums by phase
+    slow: list[float] = field(default_factory=list)
+    slow_by_phase: dict[str, float] = field(default_factory=dict)
 
 
 #: the last (plan, device, its compute) by the pair's ids (the value keeps them): the step and a
@@ -221,22 +230,29 @@ _LAST: Recent[tuple[Plan, Device, _Compute]] = Recent(8)
 def _compute(plan: Plan, device: Device) -> _Compute:
     """Every op's cost and time on ``device`` (each caller gets its own sums to add to)."""
     c = _LAST.get((id(plan), id(device)), lambda: (plan, device, _compute_ops(plan, device)))[2]
-    return replace(c, by_phase=dict(c.by_phase), uncovered=dict(c.uncovered))
+    return replace(c, by_phase=dict(c.by_phase), uncovered=dict(c.uncovered), slow_by_phase=dict(c.slow_by_phase))
 
 
 def _compute_ops(plan: Plan, device: Device) -> _Compute:
     out = _Compute([], [], {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}, {})
-    times: dict[OpCost, float] = {}  # an op's time is a function of its cost on the device
+    times: dict[OpCost, tuple[float, float]] = {}  # an op's time is a function of its cost on the device
+    solo = device.at(1) if device.slowdown > 1.0 else None  # the median GPU
     for i, op in enumerate(plan.program.ops):
         c = op_cost(plan, i)
         out.costs.append(c)
         if not c.covered:
             out.uncovered[op.rule] = out.uncovered.get(op.rule, 0) + 1
-        t = times.get(c)
-        if t is None:
-            t = times[c] = device.op_time(c)
+        got = times.get(c)
+        if got is None:
+            t = device.op_time(c)
+            tensor = c.matmul or c.attention is not None
+            got = times[c] = (t, t - solo.op_time(c) if solo is not None and tensor else 0.0)
+        t, slow = got
         out.times.append(t)
+        out.slow.append(slow)
         out.by_phase[op.phase] = out.by_phase.get(op.phase, 0.0) + t
+        if slow:
+            out.slow_by_phase[op.phase] = out.slow_by_phase.get(op.phase, 0.0) + slow
         out.flops += c.flops
         out.model_flops += c.model_flops
         out.bytes += c.bytes
@@ -605,6 +621,8 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
             if c.matmul:
                 out.matmul_flops += c.model_flops
             comp.by_phase["recompute"] = comp.by_phase.get("recompute", 0.0) + comp.times[j]
+            if comp.slow[j]:
+                comp.slow_by_phase["recompute"] = comp.slow_by_phase.get("recompute", 0.0) + comp.slow[j]
             cm = comm.exposed(j, comp.times) + kern_by_op.get(j, 0.0)
             comm.by_phase["recompute"] = comm.by_phase.get("recompute", 0.0) + cm
             out.extra_at[at] = out.extra_at.get(at, 0.0) + comp.times[j] + cm
@@ -624,7 +642,7 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
 def shared_gather_savings(plan: Plan, device: Device, oc: OpComm, rerun: dict[int, list[int]]) -> dict[int, float]:
     """Op -> the seconds :func:`shared_gather_costs` takes off its time in ``oc`` (its compute
     and the communication it waits on), where the backward runs the forward again at ``rerun``."""
-    cut = shared_gather_costs(plan, device, oc.costs, oc.under, rerun)
+    cut = shared_gather_costs(plan, device.lockstep(plan.mesh.size), oc.costs, oc.under, rerun)
     return {i: oc.compute[i] - t + oc.under[i].exposed_s - u.exposed_s for i, (_c, t, u) in cut.items()}
 
 
@@ -813,7 +831,8 @@ def op_communication(plan: Plan, device: Device) -> OpComm:
     (:func:`estimate_step`) per op, the FSDP prefetch as ``max(0, gather - the group before)``;
     computed once per plan's contents and device (the last 32 kept: the search's layer floor,
     its tail, a pipeline's unit costs and its folded stages read the same plan's). Callers only
-    read the returned object."""
+    read the returned object. The device is one of at least the plan's mesh of GPUs
+    (:meth:`~spmdkit.cost.devices.Device.lockstep`)."""
     key = (id(plan.program), id(plan.mesh), id(plan.attrs), id(plan.ops), id(plan.reshards), id(plan.annotations),
            id(plan.cost), id(plan.storage), plan.grad_accum, plan.runtime, id(device))
     return _OC.get(key, lambda: (plan, device, _op_communication(plan, device)))[2]
@@ -821,6 +840,7 @@ def op_communication(plan: Plan, device: Device) -> OpComm:
 
 @gc_paused
 def _op_communication(plan: Plan, device: Device) -> OpComm:
+    device = device.lockstep(plan.mesh.size)
     comp = _compute(plan, device)
     comm = _communication(plan, comp, device)
     comm.rs_tax = ub_sm_tax(plan.runtime.framework, device.rates.sms)
@@ -859,7 +879,10 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     their outputs (``compute_s["recompute"]``, ``comm_s["recompute"]``); a tensor kept as its
     producer's shard (sequence parallel's norm outputs) is all-gathered again there
     (``comm_s["backward"]``). MFU counts model FLOPs only, so recomputation lowers it;
-    :attr:`StepEstimate.hfu` counts the recomputed matmuls too."""
+    :attr:`StepEstimate.hfu` counts the recomputed matmuls too. The step's GPUs are the plan's
+    mesh (at least ``device.gpus``: :meth:`~spmdkit.cost.devices.Device.lockstep`); its
+    tensor-core kernels run at the pace of the slowest (:attr:`StepEstimate.slowest_gpu_s`)."""
+    device = device.lockstep(plan.mesh.size)
     prog = plan.program
     kern = kernel_collectives(plan)
     kern_by_op: dict[int, float] = {}
@@ -918,6 +941,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
         ring_comm *= accum
         ring_exposed *= accum
         for ph in phases:
+            comp.slow_by_phase[ph] = comp.slow_by_phase.get(ph, 0.0) * accum
             if ph in compute:
                 compute[ph] *= accum
             if ph in comm_s:
@@ -941,6 +965,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     est.recompute_flops_per_device = rerun.flops * accum
     est.hardware_flops = (mf + plan.mesh.size * rerun.matmul_flops * accum) if tokens else 0.0
     est.regathers = rerun.regathers
+    est.slowest_gpu_s = sum(comp.slow_by_phase.values())
     est.timeline = run.timeline
     est.rings, est.ring_comm_s, est.ring_exposed_s = rings, ring_comm, ring_exposed
     est.torch_cp = list(comm.under.values())

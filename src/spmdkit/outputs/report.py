@@ -12,6 +12,7 @@ from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import NcclCostModel
 from spmdkit.cost.compute import KernelCollective, kernel_collectives
+from spmdkit.cost.devices import expected_max_normal
 from spmdkit.cost.memory import Memory, fit_verdict, memory_per_device, uneven_shards
 from spmdkit.cost.step import StepEstimate
 from spmdkit.io.codec import encode_attr
@@ -394,6 +395,12 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
     exposed = est.step_overlap_s - est.compute_total_s
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
               f"reductions overlapped with the backward ({fmt_time(exposed)} of communication exposed)\n")
+    if d.slowdown > 1.0:
+        share = est.slowest_gpu_s / est.step_overlap_s if est.step_overlap_s > 0 else 0.0
+        out.write(f"slowest GPU: the step waits for the slowest of its {d.gpus} GPUs, expected "
+                  f"{expected_max_normal(d.gpus):.2f} standard deviations ({100 * d.rates.speed_sd:.2f}% each, "
+                  f"efficiency.speed_sd) slower than the median one: its tensor-core kernels {d.slowdown:.4f} x as "
+                  f"long, {fmt_time(est.slowest_gpu_s)} of the compute ({100 * share:.1f}% of the step)\n")
     if est.rings:
         write_rings(est, out)
     if est.torch_cp:

@@ -97,6 +97,7 @@ def deep_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], devic
     if got is None or recompute == MICROBATCH:
         return None
     copy, where = got
+    device = device.lockstep(ranks)  # the full pipeline's GPUs, not the copy's: the slowest sets the pace
     oc = op_communication(plan, device)  # once for every recomputation mode of the copy
     k = recompute_layers(recompute)
     cs = stage_costs(plan, op_stages(plan.program, copy), copy, device, per_microbatch_mode(recompute), oc,

@@ -373,6 +373,8 @@ class PipelineEstimate:
             out["moe_memory"] = self.moe.to_json()
         if "microbatch_recompute" in self.extra:
             out["microbatch_recompute"] = self.extra["microbatch_recompute"]
+        if "slowest_gpu" in self.extra:
+            out["slowest_gpu"] = self.extra["slowest_gpu"]
         if self.run is not None and self.run.hidden_s:
             out["ep_comm_overlap"] = {"extra_warmup_forwards": 1, "hidden_s": self.run.hidden_s,
                                       "compute_share": self.inputs.a2a_share if self.inputs else 1.0}
@@ -410,6 +412,8 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     recomputation) and ``flops``: the model FLOPs of one microbatch of the full model."""
     p, v, m = spec.pp, spec.virtual, spec.microbatches
     check_ep_comm_overlap(plan, spec.schedule, recompute)
+    if device is not None:  # every stage's GPUs step together: the slowest of them all sets the pace
+        device = device.lockstep(ranks or plan.mesh.size * p)
     if spec.auto and counts is None:
         return stages_auto(plan, spec, device, pp_link, tokens, ranks, recompute_forward, recompute)
     note = None
@@ -486,6 +490,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     est.peak = device.matmul_peak(max(set(dtypes), key=dtypes.count) if dtypes else "float32")
     est.device_name = device.name
     est.device_memory = device.memory_bytes
+    est.extra["slowest_gpu"] = device.slowest_json()
     return est
 
 
@@ -512,6 +517,8 @@ def plan_unit_costs(plan: Plan, p: int, device: Device | None = None, recompute:
     stages = [u + 1 for u in unit]
     counts = (0,) + (1,) * n_layers + (0,)
     mode = "none" if recompute_layers(recompute) else per_microbatch_mode(recompute)
+    if device is not None:  # a stage of p: the pipeline's GPUs step together
+        device = device.lockstep(plan.mesh.size * p)
     if device is not None and oc is None:
         oc = op_communication(plan, device)
     cs = stage_costs(plan, stages, counts, device, mode, oc)

@@ -338,6 +338,7 @@ def _search_args(devices: int, device: Device | str, memory_cap: int | str | Non
     dev = device if isinstance(device, Device) else load_device(str(device))
     if nodes_of:
         dev = replace(dev, ranks_per_node=nodes_of)
+    dev = dev.lockstep(devices)  # every configuration steps all of them: the slowest sets the pace
     cap = dev.memory_bytes if memory_cap is None else parse_memory(memory_cap)
     modes = list(dict.fromkeys(recompute or RECOMPUTE_MODES))
     for rc in modes:

@@ -133,6 +133,8 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
     overlaps those reductions with the backward, else 1)."""
     if grad_sync_weight is None:
         grad_sync_weight = GRAD_SYNC_WEIGHT if device is not None else 1.0
+    if device is not None:  # the mesh's GPUs step together, at the slowest one's pace
+        device = device.lockstep(mesh.size)
     if not 0.0 <= grad_sync_weight <= 1.0:
         raise ProgramError(f"auto: grad_sync_weight {grad_sync_weight!r} is not between 0 and 1")
     try:
