@@ -157,7 +157,7 @@ HOPPER_POWER = ((400.0, 835.5 / 989.5), (700.0, 1.0))
 #: the share of mamf-finder's and the attention papers' H100 rates sustained through training
 #: steps (:attr:`Rates.sustained`), calibrated on the published H100 runs (docs/devices.md,
 #: "Sustained rates")
-HOPPER_SUSTAINED = 0.79
+HOPPER_SUSTAINED = 0.823
 H100_RATES = Rates(132, {"bf16": _H100_GEMM, "fp16": _H100_GEMM, "tf32": _H100_GEMM, "fp32": 0.95, "fp8": _H100_FP8},
                    {"fa2": _FA2_H100, "cudnn": _CUDNN_H100}, {"megatron": "cudnn", "torchtitan": "fa2"},
                    hbm=0.90, power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K,
