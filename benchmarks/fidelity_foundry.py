@@ -53,7 +53,8 @@ def foundry_argv(row: dict[str, Any], assume: list[str]) -> list[str]:
     assume.append("Composer torch FSDP1 (flat parameters; limit_all_gathers, backward_prefetch BACKWARD_POST, no "
                   "forward_prefetch: Composer v0.17.2 dist_strategy.py defaults) planned as the planner's FSDP "
                   "(--framework torchtitan conventions: fp32 sharded parameters, bf16 compute copies, gathers "
-                  "prefetched one layer ahead); not tuned to these rows")
+                  "prefetched one layer ahead); gradients reduce-scattered every micro-batch in both (Composer v0.17.2 "
+                  "trainer.py _train_microbatch: no no_sync for a model that is not DDP); not tuned to these rows")
     assume.append("MPT's triton flash-attention kernel planned as flash attention, low_precision_layernorm as a "
                   "layer norm, eager PyTorch ops (--no-compile)")
     if str(par.get("fsdp_mixed_precision")) == "PURE":
