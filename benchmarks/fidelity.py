@@ -53,6 +53,9 @@ from spmdkit.cost.recompute_modules import recompute_modules
 from spmdkit.engine.memo import gc_paused
 from spmdkit.models.catalog import config_fields
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fidelity_foundry import FOUNDRY_RUNS, foundry_argv, foundry_section, with_foundry_section
+
 #: the published runs (a copy of the team's shared calibration set; benchmarks/data/published-runs.md)
 RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
 #: published MoE runs with expert parallelism (benchmarks/data/moe-runs.json, the same schema; a
@@ -151,8 +154,8 @@ def _strategy(row: dict[str, Any], assume: list[str]) -> tuple[str, str]:
         parts.append("sp")
     zero = str(par.get("zero") or "none")
     framework = "megatron"
-    if zero.startswith("FSDP"):
-        parts.append("zero3")
+    if zero.startswith("FSDP"):  # FSDP's SHARD_GRAD_OP keeps the parameters whole between forward and backward
+        parts.append("zero2" if "SHARD_GRAD_OP" in zero else "zero3")
         framework = str(row.get("framework") or "torchtitan")  # a stated FSDP2 framework (AutoModel's)
     elif "distributed optimizer" in zero.lower():
         parts.append("zero1")
@@ -280,6 +283,8 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             raise Unsupported(what)
     if m.get("moe") and not (isinstance(m["moe"], dict) and m["moe"].get("catalog")):
         raise Unsupported("mixture of experts without a catalog architecture")
+    if par.get("activation_cpu_offload"):  # llm-foundry's fsdp_config.activation_cpu_offload
+        raise Unsupported("activation CPU offload")
     assume: list[str] = []
     device, mem_gib = _device(row, tmp)
     tp, pp, dp = int(par["tp"]), int(par["pp"]), int(par["dp"])
@@ -319,6 +324,8 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     cfg = {"name": row["id"], **_arch(row), "layers": layers, "hidden": m["hidden"], "heads": m["heads"],
            "kv_heads": m.get("kv_heads") or m["heads"], "ffn": m["ffn_hidden"], "vocab": vocab, "seq": m["seq_len"],
            "batch": 1, "dtype": "bf16", "tied_embeddings": tied}
+    if m.get("linear_bias"):  # biases in every linear layer and norm (MPT's no_bias=False)
+        cfg["linear_bias"] = True
     if row["id"].startswith(("narayanan21", "korthikanti22", "megatronlm")):
         # Megatron GPT's hidden and attention dropout, 0.1 by default (Korthikanti et al. count its
         # masks in their activation memory, Sec. 4.1); still so in Megatron-LM core_r0.8.0
@@ -347,7 +354,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     argv = ["plan", "--mesh", ",".join(f"{k}={v}" for k, v in dims if (k not in ("pp", "ep", "cp") or v > 1)),
             "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
             "--recompute", recompute, "--json"]
-    argv += _nemo_states(row, assume)
+    argv += _nemo_states(row, assume) + foundry_argv(row, assume)
     if par.get("dispatcher"):  # MoE: the dispatcher and the routing the run used (moe-runs.json)
         argv += ["--moe-dispatcher", str(par["dispatcher"])]
     if par.get("routing"):
@@ -952,6 +959,9 @@ def main() -> int:
                     help="print where each run's predicted step goes (compute, exposed communication by kind; "
                          "a pipeline's schedule, bubble and what runs after it) and the measured step; a Table 4 "
                          "layer's forward and backward halves beside the measured ones")
+    ap.add_argument("--foundry-section", action="store_true",
+                    help="print the out-of-sample section of docs/fidelity.md for the runs planned "
+                         "(--runs benchmarks/data/foundry-runs.json)")
     a = ap.parse_args()
     runs = a.runs or [str(RUNS)]
     rows = [r for f in runs for r in json.loads(Path(f).read_text())]
@@ -962,6 +972,8 @@ def main() -> int:
     print()
     for line in summary_lines(s):
         print(line)
+    if a.foundry_section:  # the section --write would put in docs/fidelity.md, for these rows
+        print("\n".join(foundry_section(results, unsupported, rows, summary_lines(s))))
     if a.json:
         Path(a.json).write_text(json.dumps({"results": results, "unsupported": unsupported, "summary": s}, indent=1))
     if a.write:
@@ -971,7 +983,11 @@ def main() -> int:
         BAND.write_text(json.dumps(band_json(results), indent=1) + "\n")
         mrows = json.loads(MOE_RUNS.read_text())
         mres, muns = evaluate(mrows, False, sys.stdout)
-        DOC.write_text(markdown(results, unsupported, s, moe_section(mres, muns, summarise(mres, muns))))
+        frows = json.loads(FOUNDRY_RUNS.read_text())  # the out-of-sample check: not in band.json
+        fres, funs = evaluate(frows, False, sys.stdout)
+        fsec = foundry_section(fres, funs, frows, summary_lines(summarise(fres, funs)))
+        DOC.write_text(with_foundry_section(markdown(results, unsupported, s, moe_section(mres, muns, summarise(mres, muns))),
+                                            fsec))
     return 0
 
 

@@ -162,7 +162,8 @@ def test_band_and_docs_are_current() -> None:
     results, unsupported = FID.evaluate(ROWS)
     s = FID.summarise(results, unsupported)
     assert json.loads(BAND_FILE.read_text()) == FID.band_json(results), "run: python benchmarks/fidelity.py --write"
-    rest, section = FID.split_moe_section((ROOT / "docs" / "fidelity.md").read_text())
+    doc, _ = sys.modules["fidelity_foundry"].split_foundry_section((ROOT / "docs" / "fidelity.md").read_text())
+    rest, section = FID.split_moe_section(doc)
     assert section, "docs/fidelity.md has no MoE section: run: python benchmarks/fidelity.py --write"
     assert rest == FID.markdown(results, unsupported, s), "run: python benchmarks/fidelity.py --write"
 
@@ -401,3 +402,105 @@ def test_a_command_is_planned_once_per_evaluation(monkeypatch: pytest.MonkeyPatc
     planned.clear()
     FID.evaluate([titan, capped, titan])
     assert len(planned) == 2 and planned[0] == planned[1]  # one argv, two device files
+
+
+# -- the out-of-sample check: llm-foundry's MPT tables (benchmarks/data/foundry-runs.json) -------------
+
+FF = sys.modules["fidelity_foundry"]
+FOUNDRY: dict[str, dict[str, Any]] = {r["id"]: r for r in json.loads(FF.FOUNDRY_RUNS.read_text())}
+
+
+def _foundry_case(rid: str) -> Any:
+    with tempfile.TemporaryDirectory() as d:
+        return FID.express(FOUNDRY[rid], Path(d))
+
+
+def test_every_foundry_row_is_expressed() -> None:
+    """All 216 rows of llm-foundry's five tables are planned (none has CPU offload, the one feature
+    counted unsupported), as Composer's FSDP runs them: data parallel over every GPU, eager ops."""
+    assert len(FOUNDRY) == 216
+    with tempfile.TemporaryDirectory() as d:
+        for row in FOUNDRY.values():
+            argv = FID.express(row, Path(d)).argv
+            assert argv[argv.index("--mesh") + 1] == f"dp={row['hardware']['num_gpus']},tp=1"
+            assert argv[argv.index("--framework") + 1] == "torchtitan" and "--no-compile" in argv
+    offload = {**FOUNDRY["foundry_a100_40gb_bf16_7b_s4096_g8_mb6"]}
+    offload["parallelism"] = {**offload["parallelism"], "activation_cpu_offload": True}
+    with tempfile.TemporaryDirectory() as d, pytest.raises(FID.Unsupported, match="activation CPU offload"):
+        FID.express(offload, Path(d))
+
+
+def test_a_foundry_row_is_the_command_its_table_line_says() -> None:
+    """'|  7b | 4096 | 8 | a100_40gb | 50.11 | 66.82 | 156 | 6 | 4 | 192 | ... | bf16 | PURE | FULL_SHARD |
+    True | False |': MPT-7B (d 4096, 32 heads, 32 layers, mlp 4d, vocab 50368, tied, biases, learned
+    positions) at seq 4096 on 8 A100 40GB, FULL_SHARD, micro-batch 6 x 4 accumulations x 8 = 192,
+    every block checkpointed, PURE (gradients reduced in bf16)."""
+    row = FOUNDRY["foundry_a100_40gb_bf16_7b_s4096_g8_mb6"]
+    assert row["source"]["source_row"].startswith("|  7b | 4096 | 8 | a100_40gb | 50.11 |")
+    a = _foundry_case(row["id"]).argv
+    opt = {k: a[a.index(k) + 1] for k in ("--mesh", "--strategy", "--device", "--precision", "--recompute",
+                                           "--batch", "--grad-accum", "--grad-dtype")}
+    assert opt == {"--mesh": "dp=8,tp=1", "--strategy": "dp,zero3", "--device": "a100-40gb", "--precision": "bf16",
+                   "--recompute": "full", "--batch": "48", "--grad-accum": "4", "--grad-dtype": "bf16"}
+    cfg = json.loads(a[a.index("--model-config") + 1])
+    assert {k: cfg[k] for k in ("arch", "activation", "attention", "layers", "hidden", "heads", "kv_heads", "ffn",
+                                "vocab", "seq", "tied_embeddings", "linear_bias")} == \
+        {"arch": "gpt2", "activation": "gelu", "attention": "flash", "layers": 32, "hidden": 4096, "heads": 32,
+         "kv_heads": 32, "ffn": 16384, "vocab": 50368, "seq": 4096, "tied_embeddings": True, "linear_bias": True}
+    # SHARD_GRAD_OP is ZeRO-2; DEFAULT reduces in fp32 (no --grad-dtype); fp8 runs the linears in fp8
+    b = _foundry_case("foundry_h100_80gb_bf16_3b_s2048_g512_mb8").argv
+    assert b[b.index("--strategy") + 1] == "dp,zero2" and "--grad-dtype" not in b and "--grad-accum" not in b
+    assert b[b.index("--batch") + 1] == "4096" and b[b.index("--recompute") + 1] == "none"
+    c = _foundry_case("foundry_h100_80gb_fp8_3b_s512_g8_mb40").argv
+    assert c[c.index("--precision") + 1] == "fp8"
+
+
+@pytest.mark.parametrize("rid", ["foundry_a100_40gb_bf16_125m_s2048_g8_mb26", "foundry_a100_80gb_bf16_125m_s65536_g8_mb1",
+                                 "foundry_h100_80gb_bf16_70b_s2048_g512_mb8", "foundry_a100_80gb_bf16_30b_s8192_g8_mb1"])
+def test_foundry_models_have_the_published_parameter_counts(rid: str) -> None:
+    """The NumParams column exactly: V d + s d + L (12 d^2 + 13 d) + 2 d (tied embedding, learned
+    positions, a bias in every linear and norm: MPT's no_bias=False), e.g. 125M at seq 2048:
+    125,311,488."""
+    row = FOUNDRY[rid]
+    m = row["model"]
+    V, d, L, s = m["vocab"], m["hidden"], m["layers"], m["seq_len"]
+    published = round(m["params_b"] * 1e9)
+    assert published == V * d + s * d + L * (12 * d * d + 13 * d) + 2 * d
+    assert _params(row) == published
+
+
+def test_foundry_mfu_reproduces_the_published_column() -> None:
+    """llm-foundry's MFU from its tokens/s: MPT-70B on 512 H100s, 1007 tokens/s/GPU x (6 N + 12 L d s)
+    / 989.5e12 = 41.25% (the table's); every row's to 0.01 point from its tokens/s."""
+    row = FOUNDRY["foundry_h100_80gb_bf16_70b_s2048_g512_mb8"]
+    by_hand = (6 * 64862437376 + 12 * 80 * 8192 * 2048) * 1007 / 989.5e12 * 100
+    assert FF.foundry_mfu_pct(row, 1007) == pytest.approx(by_hand, rel=1e-12)
+    assert by_hand == pytest.approx(41.25, abs=0.01)
+    for r in FOUNDRY.values():
+        got = FF.foundry_mfu_pct(r, r["measured"]["tokens_per_sec"] / r["hardware"]["num_gpus"])
+        assert got == pytest.approx(r["measured"]["mfu_pct"], abs=0.01), r["id"]
+
+
+def test_foundry_rows_stay_out_of_the_calibration() -> None:
+    """The out-of-sample rows are in no file the band or the sustained-rate calibration reads."""
+    assert FID.RUNS.name == "published-runs.json" and FF.FOUNDRY_RUNS != FID.RUNS
+    assert FID.band_json([])["runs_file"] == "benchmarks/data/published-runs.json"
+    assert "foundry" not in (ROOT / "benchmarks" / "calibrate_sustained.py").read_text()
+    assert not any(r["id"].startswith("foundry_") for r in ROWS)
+
+
+def test_the_foundry_section_is_split_off_whole() -> None:
+    doc = FID.markdown([], {}, FID.summarise([], {}))
+    sec = FF.foundry_section([], {}, [], FID.summary_lines(FID.summarise([], {})))
+    assert FF.split_foundry_section(FF.with_foundry_section(doc, sec)) == (doc, sec)
+    assert FF.split_foundry_section(doc) == (doc, [])
+
+
+def test_foundry_docs_are_current() -> None:
+    """docs/fidelity.md's out-of-sample section is what the code predicts today for
+    benchmarks/data/foundry-runs.json."""
+    rows = list(FOUNDRY.values())
+    fres, funs = FID.evaluate(rows)
+    _, section = FF.split_foundry_section((ROOT / "docs" / "fidelity.md").read_text())
+    assert section == FF.foundry_section(fres, funs, rows, FID.summary_lines(FID.summarise(fres, funs))), \
+        "run: python benchmarks/fidelity.py --write"

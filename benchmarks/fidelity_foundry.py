@@ -1,0 +1,131 @@
+"""The out-of-sample check of ``benchmarks/fidelity.py``: MosaicML llm-foundry's published MPT
+throughput tables (``benchmarks/data/foundry-runs.json``), a source the cost model was never
+calibrated on (``benchmarks/calibrate_sustained.py`` reads the team's published runs only, and
+``band.json`` is made from ``published-runs.json`` alone).
+
+The rows are transcribed from ``scripts/train/benchmarking/README.md`` of mosaicml/llm-foundry at
+495218376 (the newest version of the file; its tables unchanged since 5e85bd62d, 2024-01-06), every
+row of its five tables. llm-foundry trains through Composer's torch FSDP (FSDP1) only: the planner
+runs them as ``--mesh dp=N --strategy dp,zero3`` (``FULL_SHARD``; ``SHARD_GRAD_OP``: ``zero2``)
+with ``--framework torchtitan``'s conventions (fp32 sharded parameters, bf16 compute copies, eager
+PyTorch ops: ``--no-compile``), compared in the source's own unit, tokens per second per GPU. Where
+FSDP1 differs from what the planner models, the row's assumptions say so; nothing was tuned to
+these rows.
+
+llm-foundry's MFU (``scripts/train/benchmarking/collect_results.py`` at 5e85bd62d, the README's
+"MFU"): ``(3 * 2 N s + 3 * 4 L d s^2)`` FLOPs a sequence (``N`` the NumParams column, embeddings
+included; the attention's two ``s x s`` GEMMs), times samples per second, over the GPUs' peak
+(Composer v0.17.2 ``composer/callbacks/speed_monitor.py`` ``GPU_AVAILABLE_FLOPS``: A100 312e12,
+H100 SXM 989.5e12 in bf16, 1979e12 in fp8): :func:`foundry_mfu_pct`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+FOUNDRY_RUNS = Path(__file__).resolve().parent / "data" / "foundry-runs.json"
+FOUNDRY_HEADING = "## Out-of-sample check: llm-foundry (MPT), kept out of the calibration"
+
+#: Composer v0.17.2 composer/callbacks/speed_monitor.py GPU_AVAILABLE_FLOPS (dense; the spec
+#: sheets' sparse figures halved), the peaks collect_results.py divides by
+PEAK_FLOPS = {("A100", "bf16"): 312e12, ("H100", "bf16"): 1.979e15 / 2, ("H100", "fp8"): 3.958e15 / 2}
+
+
+def foundry_mfu_pct(row: dict[str, Any], tokens_per_sec_per_gpu: float) -> float:
+    """llm-foundry's MFU (%) of ``row`` at ``tokens_per_sec_per_gpu`` (collect_results.py at
+    5e85bd62d): ``(6 N s + 12 L d s^2)`` FLOPs a sequence, ``N`` the published parameter count."""
+    m = row["model"]
+    s, n = int(m["seq_len"]), round(float(m["params_b"]) * 1e9)
+    per_seq = 3 * 2 * n * s + 3 * 4 * int(m["layers"]) * int(m["hidden"]) * s * s
+    peak = PEAK_FLOPS[(str(row["hardware"]["gpu"])[:4], str(row["precision"]))]
+    return 100 * per_seq * tokens_per_sec_per_gpu / s / peak
+
+
+def foundry_argv(row: dict[str, Any], assume: list[str]) -> list[str]:
+    """The options of an llm-foundry row beyond the common ones (none for another source): the
+    gradient reduction's dtype, and what differs from the real framework, as assumptions."""
+    if not str(row["id"]).startswith("foundry_"):
+        return []
+    par = row["parallelism"]
+    assume.append("Composer torch FSDP1 (flat parameters; limit_all_gathers, backward_prefetch BACKWARD_POST, no "
+                  "forward_prefetch: Composer v0.17.2 dist_strategy.py defaults) planned as the planner's FSDP "
+                  "(--framework torchtitan conventions: fp32 sharded parameters, bf16 compute copies, gathers "
+                  "prefetched one layer ahead); gradients reduce-scattered every micro-batch in both (Composer v0.17.2 "
+                  "trainer.py _train_microbatch: no no_sync for a model that is not DDP); not tuned to these rows")
+    assume.append("MPT's triton flash-attention kernel planned as flash attention, low_precision_layernorm as a "
+                  "layer norm, eager PyTorch ops (--no-compile)")
+    if str(par.get("fsdp_mixed_precision")) == "PURE":
+        # Composer get_mixed_precision: PURE reduces in the precision's dtype, DEFAULT in fp32
+        assume.append("FSDP mixed_precision PURE: gradients reduce-scattered in bf16 (--grad-dtype bf16)")
+        return ["--grad-dtype", "bf16"]
+    assume.append("FSDP mixed_precision DEFAULT: gradients reduce-scattered in fp32 (the framework's default)")
+    return []
+
+
+def _by(results: list[dict[str, Any]], rows: dict[str, dict[str, Any]], key: Callable[[dict[str, Any]], str]
+        ) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        out.setdefault(key(rows[r["id"]]), []).append(r)
+    return out
+
+
+def _line(name: str, rs: list[dict[str, Any]]) -> str:
+    errs = sorted(abs(r["ratio"] - 1) for r in rs)
+    k = (len(errs) - 1) * 0.9
+    lo = int(k)
+    p90 = errs[lo] + (errs[min(lo + 1, len(errs) - 1)] - errs[lo]) * (k - lo)
+    return (f"| {name} | {len(rs)} | {100 * statistics.median(errs):.1f}% | {100 * p90:.1f}% | "
+            f"{100 * sum(e <= 0.05 for e in errs) / len(errs):.0f}% | {100 * sum(e <= 0.10 for e in errs) / len(errs):.0f}% | "
+            f"{statistics.median(r['ratio'] for r in rs):.3f} |")
+
+
+def foundry_section(results: list[dict[str, Any]], unsupported: dict[str, list[str]], rows: list[dict[str, Any]],
+                    summary: list[str]) -> list[str]:
+    """docs/fidelity.md's out-of-sample section: the summary (``summary``: fidelity.summary_lines),
+    the error by GPU, precision and activation checkpointing, the worst rows and every row."""
+    byid = {r["id"]: r for r in rows}
+    out = ["", FOUNDRY_HEADING, "",
+           "Every row of MosaicML llm-foundry's published MPT throughput tables (`scripts/train/benchmarking/",
+           "README.md` at 495218376, unchanged since 5e85bd62d; `benchmarks/data/foundry-runs.json`): MPT 125M-70B,",
+           "seq 512-65536, 8-512 A100 40GB / A100 80GB / H100 80GB GPUs, Composer's torch FSDP. A source the cost",
+           "model was never calibrated on: it is not in `band.json` nor read by `benchmarks/calibrate_sustained.py`,",
+           "and nothing was tuned after seeing it (`benchmarks/fidelity_foundry.py` says how the rows are planned).",
+           "Compared in tokens per second per GPU.", ""]
+    out += [f"- {line}" for line in summary[:1] + summary[2:]]
+    if results:
+        out += ["", "| rows | runs | median \\|ratio - 1\\| | p90 | within 5% | within 10% | median ratio |",
+                "|---|---|---|---|---|---|---|"]
+        out.append(_line("all", results))
+        for title, key in (("GPU", lambda r: f"{r['hardware']['gpu']} {r['precision']}"),
+                           ("activation checkpointing", lambda r: str(r["recompute"])),
+                           ("sharding", lambda r: str(r["parallelism"]["zero"]).split()[1])):
+            for k, rs in sorted(_by(results, byid, key).items()):
+                out.append(_line(f"{title}: {k}", rs))
+        worst = sorted(results, key=lambda r: -abs(r["ratio"] - 1))[:10]
+        out += ["", "The worst rows: " + ", ".join(f"{r['id']} {r['ratio']:.3f}" for r in worst) + "."]
+    out += ["", "| run | measured | predicted | ratio | memory GiB | fits |", "|---|---|---|---|---|---|"]
+    for r in results:
+        fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
+        out.append(f"| {r['id']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
+                   f"{r['memory_gib']:.1f} | {fits} |")
+    out += [f"- unsupported {k}: {', '.join(v)}" for k, v in unsupported.items()]
+    return out
+
+
+def with_foundry_section(doc: str, section: list[str]) -> str:
+    """``doc`` (fidelity.markdown's text) with the out-of-sample ``section`` appended, the doc's last."""
+    return doc + "\n".join(section) + "\n"
+
+
+def split_foundry_section(doc: str) -> tuple[str, list[str]]:
+    """(docs/fidelity.md without its out-of-sample section, the section's lines): the inverse of
+    :func:`with_foundry_section`."""
+    lines = doc.split("\n")
+    if FOUNDRY_HEADING not in lines:
+        return doc, []
+    a = lines.index(FOUNDRY_HEADING) - 1
+    return "\n".join(lines[:a]) + "\n", lines[a:-1]
