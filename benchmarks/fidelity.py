@@ -58,6 +58,9 @@ RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
 #: published MoE runs with expert parallelism (benchmarks/data/moe-runs.json, the same schema; a
 #: row's ``model.moe.catalog`` names the spmdkit catalog entry with its shapes)
 MOE_RUNS = Path(__file__).resolve().parent / "data" / "moe-runs.json"
+#: published runs of the largest trainings (Llama 3 405B, BLOOM, MT-NLG, OPT) that nothing in the cost
+#: model was calibrated on: an out-of-sample check (benchmarks/data/outside-runs.json, the same schema)
+OUTSIDE_RUNS = Path(__file__).resolve().parent / "data" / "outside-runs.json"
 GIB = 1024**3
 
 
@@ -125,7 +128,8 @@ def _arch(row: dict[str, Any]) -> dict[str, Any]:
         out["activation"] = "gelu"
     # the attention kernel: Megatron-LM of 2021-2022 materialised the scores (fused softmax);
     # Megatron-Core, NeMo and torchtitan run flash attention
-    old = row["id"].startswith(("narayanan21", "korthikanti22"))
+    # (and Megatron-DeepSpeed's BLOOM and MT-NLG: its fused scale-mask-softmax, ALiBi's bias in it)
+    old = row["id"].startswith(("narayanan21", "korthikanti22", "bloom", "mtnlg"))
     out["attention"] = "eager" if old and not llama else "flash"
     return out
 
@@ -154,8 +158,10 @@ def _strategy(row: dict[str, Any], assume: list[str]) -> tuple[str, str]:
     if zero.startswith("FSDP"):
         parts.append("zero3")
         framework = str(row.get("framework") or "torchtitan")  # a stated FSDP2 framework (AutoModel's)
-    elif "distributed optimizer" in zero.lower():
+    elif "distributed optimizer" in zero.lower() or zero.startswith("ZeRO-1"):
         parts.append("zero1")
+    elif zero.startswith("ZeRO-2"):  # Llama 3's FSDP without resharding after forward
+        parts.append("zero2")
     elif par.get("zero") is None and row["id"].startswith(("megatronlm", "nemo")):
         parts.append("zero1")
         assume.append("distributed optimizer (not stated; Megatron-Core / NeMo performance configs use it)")
@@ -280,7 +286,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             raise Unsupported(what)
     if m.get("moe") and not (isinstance(m["moe"], dict) and m["moe"].get("catalog")):
         raise Unsupported("mixture of experts without a catalog architecture")
-    assume: list[str] = []
+    assume: list[str] = [str(x) for x in row.get("assumptions") or []]  # the row's own (outside-runs.json)
     device, mem_gib = _device(row, tmp)
     tp, pp, dp = int(par["tp"]), int(par["pp"]), int(par["dp"])
     ep = int(par.get("ep") or 1) if m.get("moe") else 1
@@ -319,7 +325,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     cfg = {"name": row["id"], **_arch(row), "layers": layers, "hidden": m["hidden"], "heads": m["heads"],
            "kv_heads": m.get("kv_heads") or m["heads"], "ffn": m["ffn_hidden"], "vocab": vocab, "seq": m["seq_len"],
            "batch": 1, "dtype": "bf16", "tied_embeddings": tied}
-    if row["id"].startswith(("narayanan21", "korthikanti22", "megatronlm")):
+    if row["id"].startswith(("narayanan21", "korthikanti22", "megatronlm", "bloom", "mtnlg")):
         # Megatron GPT's hidden and attention dropout, 0.1 by default (Korthikanti et al. count its
         # masks in their activation memory, Sec. 4.1); still so in Megatron-LM core_r0.8.0
         # (megatron/training/arguments.py: --hidden-dropout / --attention-dropout default 0.1)
@@ -363,6 +369,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv.append("--cross-entropy-fusion")
     if par.get("ep_comm_overlap"):  # Megatron-Core's --overlap-moe-expert-parallel-comm (1F1B A2A overlap)
         argv.append("--ep-comm-overlap")
+    argv += _deepspeed(row, assume)
     if pp > 1 and row["id"].startswith(("narayanan21", "korthikanti22")):
         # Megatron-LM of 2021-2022 (megatron/p2p_communication.py): batch_isend_irecv, req.wait()
         # and torch.cuda.synchronize() after every exchange; overlap_p2p_comm came in 2023-05
@@ -428,6 +435,35 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     else:
         case.argv = [*argv, "--model-config", json.dumps(cfg)]
     return case
+
+
+def _deepspeed(row: dict[str, Any], assume: list[str]) -> list[str]:
+    """The flags of a Megatron-DeepSpeed run (BLOOM, MT-NLG: ``parallelism.schedule`` names DeepSpeed's
+    PipelineEngine). Its ``TrainSchedule`` (deepspeed/runtime/pipe/schedule.py) runs the instructions
+    of a step in order, each send a blocking ``p2p.send`` (engine.py ``_exec_send_activations``), and
+    appends ``ReduceTiedGrads(), ReduceGrads(), OptimizerStep()`` after the last microbatch: the
+    gradients reduced after the pipeline, not under its backward. ``parallelism.launch_blocking``
+    (BLOOM's slurm script exports ``CUDA_LAUNCH_BLOCKING=1``): every launch waits for its kernel, so
+    no collective runs beside compute, the tp all-reduces included."""
+    par = row["parallelism"]
+    out: list[str] = []
+    if "DeepSpeed PipelineEngine" in str(par.get("schedule") or ""):
+        out += ["--no-p2p-overlap", "--no-grad-overlap"]
+        assume.append("DeepSpeed PipelineEngine: blocking sends, the gradients reduced after the last microbatch "
+                      "(schedule.py TrainSchedule: ReduceGrads after the pipeline)")
+    if par.get("launch_blocking"):
+        out.append("--no-async-tp-allreduce")
+        assume.append("CUDA_LAUNCH_BLOCKING=1: the tp all-reduce of the input gradient blocks (no collective beside "
+                      "compute)")
+    elif row["id"].startswith("mtnlg") and int(par["tp"]) > 1:
+        out.append("--no-async-tp-allreduce")
+        assume.append("tp all-reduce of the input gradient blocks (Megatron-DeepSpeed of 2021, forked before "
+                      "Megatron-LM's async_tensor_model_parallel_allreduce, 2021-09; not stated)")
+    if row["id"].startswith(("bloom", "mtnlg")) and par.get("global_batch"):
+        out.append("--no-wgrad-fusion")
+        assume.append("weight gradients added into param.grad each microbatch (Megatron-DeepSpeed of 2021-2022: "
+                      "no gradient accumulation fusion, which Megatron-LM gained in 2022-02)")
+    return out
 
 
 def _moe_model(m: dict[str, Any]) -> str:
@@ -502,6 +538,17 @@ def megatron_core_flops(row: dict[str, Any]) -> float:
     gated = 1.5 if _arch(row)["activation"] == "swiglu" else 1.0
     return 12.0 * gb * s * l_ * h * h * ((1 + kv / heads + s / h) + m["ffn_hidden"] / h * gated
                                          + v / (2 * l_ * h))
+
+
+def flops_of(row: dict[str, Any]) -> float:
+    """A run's FLOPs per iteration as its source counts them: Narayanan's eq. 3 for the sc21 runs and for
+    Megatron-DeepSpeed's (BLOOM's and MT-NLG's throughput logs: ``24 x 4 x B s l h^2 (...)``, the
+    factor 4 for the checkpointed forward); Megatron-Core's for a MoE and for the rest (Llama 3's, whose
+    source states none: the non-causal count Megatron-Core and torchtitan's ``get_num_flop_per_token``
+    share)."""
+    if row["id"].startswith(("narayanan21", "bloom", "mtnlg")):
+        return narayanan_flops(row)
+    return megatron_core_moe_flops(row) if row["model"].get("moe") else megatron_core_flops(row)
 
 
 def _padded_vocab(v: int, tp: int, divisible_by: int) -> int:
@@ -703,9 +750,7 @@ def predict(case: Case, planned: dict[tuple[str, ...], dict[str, Any]] | None = 
         m = row["model"]
         return row["parallelism"]["global_batch"] * m["seq_len"] / step / case.gpus, mem
     if metric == "tflops_per_gpu":
-        f = narayanan_flops(row) if row["id"].startswith("narayanan21") else \
-            megatron_core_moe_flops(row) if row["model"].get("moe") else megatron_core_flops(row)
-        return f / step / case.gpus / 1e12, mem
+        return flops_of(row) / step / case.gpus / 1e12, mem
     if metric == "mfu_pct":
         return 100 * korthikanti_model_flops(row) / (step * case.gpus * 312e12), mem
     raise AssertionError(metric)
@@ -927,11 +972,49 @@ def moe_section(mres: list[dict[str, Any]], muns: dict[str, list[str]], ms: dict
 def split_moe_section(doc: str) -> tuple[str, list[str]]:
     """(docs/fidelity.md without its MoE section, the section's lines as :func:`moe_section` makes
     them): so the dense runs and the MoE runs are checked apart."""
+    return split_section(doc, MOE_HEADING)
+
+
+def split_section(doc: str, heading: str) -> tuple[str, list[str]]:
+    """(``doc`` without the section under ``heading``, the section's lines: its blank line and heading
+    up to the blank line before the next ``## `` heading)."""
     lines = doc.split("\n")
-    if MOE_HEADING not in lines or AFTER_MOE not in lines:
+    if heading not in lines or AFTER_MOE not in lines:
         return doc, []
-    a, b = lines.index(MOE_HEADING) - 1, lines.index(AFTER_MOE) - 1
+    a = lines.index(heading) - 1
+    b = next(k for k in range(a + 2, len(lines)) if lines[k].startswith("## ")) - 1
     return "\n".join(lines[:a] + lines[b:]), lines[a:b]
+
+
+OUTSIDE_HEADING = "## Out-of-sample check: the largest published runs"
+OUTSIDE_INTRO = [
+    "The runs of `benchmarks/data/outside-runs.json`: Llama 3 405B on 8,192 and 16,384 H100s (Dubey et al. 2024,",
+    "Table 4, one row at 131,072 tokens with cp 16), BLOOM-176B (BigScience's log and slurm script), Megatron-Turing",
+    "NLG 530B (Smith et al. 2022) and OPT-175B (Zhang et al. 2022). Nothing in the cost model was calibrated on them",
+    "and no change was made by looking at them: they are kept out of `band.json`, the summary above and",
+    "`benchmarks/calibrate_sustained.py`. Megatron-DeepSpeed's runs as DeepSpeed's PipelineEngine runs them",
+    "(blocking sends, the gradients reduced after the pipeline), BLOOM's `CUDA_LAUNCH_BLOCKING=1` as no collective",
+    "beside compute; BLOOM and MT-NLG in Narayanan's eq. 3 (their own count), Llama 3 by Megatron-Core's count",
+    "(Meta states none; non-causal attention, as torchtitan's): each row's assumptions below.", ""]
+#: runs files planned apart from the calibration, each a section of docs/fidelity.md after the MoE runs
+#: (runs file, heading, the lines under it): out of band.json and of the summary of the published runs
+EXTRA_RUNS: list[tuple[Path, str, list[str]]] = [(OUTSIDE_RUNS, OUTSIDE_HEADING, OUTSIDE_INTRO)]
+
+
+def extra_section(heading: str, intro: list[str], res: list[dict[str, Any]], uns: dict[str, list[str]],
+                  s: dict[str, Any]) -> list[str]:
+    """docs/fidelity.md's section of a runs file of :data:`EXTRA_RUNS`: its summary, every run with its
+    assumptions, the runs not expressible."""
+    out = ["", heading, "", *intro]
+    out += [f"- {line}" for line in summary_lines(s)]
+    out += ["", "| run | unit | measured | predicted | ratio | memory GiB | fits |", "|---|---|---|---|---|---|---|"]
+    for r in res:
+        fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
+        out.append(f"| {r['id']} | {r['metric']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
+                   f"{r['memory_gib']:.1f} | {fits} |")
+    out += [""] + [f"- {r['id']}: " + "; ".join(r["assumptions"]) for r in res]
+    out += [f"- unsupported {k}: {', '.join(v)}" for k, v in uns.items()]
+    return out
 
 ROOT = Path(__file__).resolve().parents[1]
 BAND = ROOT / "src" / "spmdkit" / "cost" / "band.json"
@@ -971,7 +1054,11 @@ def main() -> int:
         BAND.write_text(json.dumps(band_json(results), indent=1) + "\n")
         mrows = json.loads(MOE_RUNS.read_text())
         mres, muns = evaluate(mrows, False, sys.stdout)
-        DOC.write_text(markdown(results, unsupported, s, moe_section(mres, muns, summarise(mres, muns))))
+        sections = moe_section(mres, muns, summarise(mres, muns))
+        for path, heading, intro in EXTRA_RUNS:
+            xres, xuns = evaluate(json.loads(path.read_text()), False, sys.stdout)
+            sections += extra_section(heading, intro, xres, xuns, summarise(xres, xuns))
+        DOC.write_text(markdown(results, unsupported, s, sections))
     return 0
 
 
