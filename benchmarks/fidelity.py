@@ -4,6 +4,7 @@ would type it, and compared in the source's own unit and FLOP definition.
 
     python benchmarks/fidelity.py [--runs FILE ...] [--only PREFIX[,PREFIX]] [--json OUT] [--show-argv] [--breakdown]
     python benchmarks/fidelity.py --runs benchmarks/data/moe-runs.json   # the MoE runs (expert parallelism)
+    python benchmarks/fidelity.py --runs benchmarks/data/outside-runs.json   # out of sample (outside-runs.md)
 
 For each run: the command line (``spmdkit plan --model-config ... --mesh pp=..,dp=..,tp=..
 --strategy ... --device ... --precision ... --recompute ... --json``), the prediction in the
@@ -22,7 +23,10 @@ Units, as the runs file's README says to compare them:
 - Megatron-LM (``tflops_per_gpu``): Megatron-Core's FLOP count
   (``megatron/training/training.py: num_floating_point_operations``);
 - NeMo and torchtitan: ``tokens_per_sec_per_gpu`` (no FLOP definition needed); torchtitan's
-  ``memory_gib_max`` against the predicted peak.
+  ``memory_gib_max`` against the predicted peak;
+- the out-of-sample runs (``outside-runs.json``): BLOOM, MT-NLG and Megatron-LM's GPT-3 example by
+  their stated iteration time (their TFLOP/s are eq. 3's, reproduced from it); Llama 3's TFLOP/s by
+  Megatron-Core's count (Meta states none).
 
 The summary: median and 90th percentile of ``|ratio - 1|`` (speed), the share within 5% and 10%,
 memory ratios where measured, runs that trained predicted to fit, and the pairwise order of the
@@ -63,6 +67,12 @@ MOE_RUNS = Path(__file__).resolve().parent / "data" / "moe-runs.json"
 OUTSIDE_RUNS = Path(__file__).resolve().parent / "data" / "outside-runs.json"
 GIB = 1024**3
 
+
+#: run id prefixes of Megatron-LM of 2021 (before the async tp all-reduce, 2021-09, and gradient-accumulation
+#: fusion, 2022-02): the sc21 runs and outside-runs.json's GPT-3 175B example of the README
+MEGATRON_2021 = ("narayanan21", "megatron2021")
+#: and of 2021-2022 (blocking pipeline sends, scatter-gather of pipeline tensors, the fused softmax)
+MEGATRON_OLD = (*MEGATRON_2021, "korthikanti22")
 
 #: architectures (a phrase of a row's ``model.arch``) the planner cannot build, and the feature named
 MISSING_ARCH: dict[str, str] = {}
@@ -129,7 +139,7 @@ def _arch(row: dict[str, Any]) -> dict[str, Any]:
     # the attention kernel: Megatron-LM of 2021-2022 materialised the scores (fused softmax);
     # Megatron-Core, NeMo and torchtitan run flash attention
     # (and Megatron-DeepSpeed's BLOOM and MT-NLG: its fused scale-mask-softmax, ALiBi's bias in it)
-    old = row["id"].startswith(("narayanan21", "korthikanti22", "bloom", "mtnlg"))
+    old = row["id"].startswith((*MEGATRON_OLD, "bloom", "mtnlg"))
     out["attention"] = "eager" if old and not llama else "flash"
     return out
 
@@ -325,7 +335,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     cfg = {"name": row["id"], **_arch(row), "layers": layers, "hidden": m["hidden"], "heads": m["heads"],
            "kv_heads": m.get("kv_heads") or m["heads"], "ffn": m["ffn_hidden"], "vocab": vocab, "seq": m["seq_len"],
            "batch": 1, "dtype": "bf16", "tied_embeddings": tied}
-    if row["id"].startswith(("narayanan21", "korthikanti22", "megatronlm", "bloom", "mtnlg")):
+    if row["id"].startswith((*MEGATRON_OLD, "megatronlm", "bloom", "mtnlg")):
         # Megatron GPT's hidden and attention dropout, 0.1 by default (Korthikanti et al. count its
         # masks in their activation memory, Sec. 4.1); still so in Megatron-LM core_r0.8.0
         # (megatron/training/arguments.py: --hidden-dropout / --attention-dropout default 0.1)
@@ -369,21 +379,21 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv.append("--cross-entropy-fusion")
     if par.get("ep_comm_overlap"):  # Megatron-Core's --overlap-moe-expert-parallel-comm (1F1B A2A overlap)
         argv.append("--ep-comm-overlap")
-    argv += _deepspeed(row, assume)
-    if pp > 1 and row["id"].startswith(("narayanan21", "korthikanti22")):
+    argv += _deepspeed_flags(row, assume)
+    if pp > 1 and row["id"].startswith(MEGATRON_OLD):
         # Megatron-LM of 2021-2022 (megatron/p2p_communication.py): batch_isend_irecv, req.wait()
         # and torch.cuda.synchronize() after every exchange; overlap_p2p_comm came in 2023-05
         argv.append("--no-p2p-overlap")
         assume.append("pipeline sends block (Megatron-LM 2021-2022: torch.cuda.synchronize() after each "
                       "batch_isend_irecv)")
-    if pp > 1 and tp > 1 and row["id"].startswith(("narayanan21", "korthikanti22")):
+    if pp > 1 and tp > 1 and row["id"].startswith(MEGATRON_OLD):
         # Megatron-LM of 2021-2022 (megatron/p2p_communication at de7dc40f88 and cfd2e21607):
         # scatter_gather_tensors_in_pipeline on by default, off under --sequence-parallel (the
         # planner keeps sp's already-split activations whole); Megatron-Core sends whole tensors
         argv.append("--pp-scatter-gather")
         assume.append("pipeline tensors sent 1/tp a tp rank and all-gathered over tp (Megatron-LM 2021-2022's "
                       "scatter_gather_tensors_in_pipeline; not under sequence parallelism)")
-    if par["tp"] > 1 and row["id"].startswith("narayanan21"):
+    if par["tp"] > 1 and row["id"].startswith(MEGATRON_2021):
         # Megatron-LM at de7dc40f88 (2021-08, the sc21 scripts): the column-parallel linear's
         # backward all-reduce blocks (copy_to_tensor_model_parallel_region); the async one beside
         # the wgrad GEMM came in 16c90445e7 (2021-09, async_tensor_model_parallel_allreduce)
@@ -394,7 +404,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     accum = (gb // (dpe * mb)) if gb else 1
     if gb and gb % (dpe * mb):
         raise Unsupported(f"global batch {gb} not a multiple of dp x micro-batch {dpe * mb}")
-    if accum > 1 and row["id"].startswith("narayanan21"):
+    if accum > 1 and row["id"].startswith(MEGATRON_2021):
         # Megatron-LM at de7dc40f88 predates --gradient-accumulation-fusion (83b1e42f30, 2022-02):
         # its weight gradients accumulate in param.grad through autograd, microbatch by microbatch
         argv.append("--no-wgrad-fusion")
@@ -437,10 +447,12 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     return case
 
 
-def _deepspeed(row: dict[str, Any], assume: list[str]) -> list[str]:
+def _deepspeed_flags(row: dict[str, Any], assume: list[str]) -> list[str]:
     """The flags of a Megatron-DeepSpeed run (BLOOM, MT-NLG: ``parallelism.schedule`` names DeepSpeed's
-    PipelineEngine). Its ``TrainSchedule`` (deepspeed/runtime/pipe/schedule.py) runs the instructions
-    of a step in order, each send a blocking ``p2p.send`` (engine.py ``_exec_send_activations``), and
+    PipelineEngine). (Megatron-LM's own local DDP of 2021, ``--DDP-impl local``, is planned as for the
+    sc21 rows: without ``--no-grad-overlap``; docs/devices.md "--no-grad-overlap" says why.) Its ``TrainSchedule`` (deepspeed/runtime/pipe/schedule.py) runs the instructions
+    of a step in order, each send blocking (runtime/pipe/p2p.py ``send``: ``assert async_op == False``,
+    then ``dist.send``, or ``dist.broadcast`` over the two stages' group before torch 1.8), and
     appends ``ReduceTiedGrads(), ReduceGrads(), OptimizerStep()`` after the last microbatch: the
     gradients reduced after the pipeline, not under its backward. ``parallelism.launch_blocking``
     (BLOOM's slurm script exports ``CUDA_LAUNCH_BLOCKING=1``): every launch waits for its kernel, so
@@ -546,7 +558,7 @@ def flops_of(row: dict[str, Any]) -> float:
     factor 4 for the checkpointed forward); Megatron-Core's for a MoE and for the rest (Llama 3's, whose
     source states none: the non-causal count Megatron-Core and torchtitan's ``get_num_flop_per_token``
     share)."""
-    if row["id"].startswith(("narayanan21", "bloom", "mtnlg")):
+    if row["id"].startswith((*MEGATRON_2021, "bloom", "mtnlg")):
         return narayanan_flops(row)
     return megatron_core_moe_flops(row) if row["model"].get("moe") else megatron_core_flops(row)
 

@@ -430,7 +430,8 @@ def test_outside_runs_are_expressed_or_named_unsupported() -> None:
             assert case.argv[0] == "plan" and case.gpus == row["hardware"]["num_gpus"]
     # OPT-175B: 2M tokens = 1,024 sequences over 992 / 8 = 124 data-parallel ranks: its batch a rank is not known
     assert reasons == {"global batch 1024 not a multiple of dp x micro-batch 124": ["opt_175b_992gpu"]}
-    assert {r["id"].split("_")[0] for r in OUTSIDE} == {"llama3", "bloom", "mtnlg", "opt"} and len(OUTSIDE) == 8
+    assert {r["id"].split("_")[0] for r in OUTSIDE} == {"llama3", "bloom", "mtnlg", "megatron2021", "opt"}
+    assert len(OUTSIDE) == 9
 
 
 def test_bloom_is_expressed_as_its_slurm_script_ran_it() -> None:
@@ -475,6 +476,24 @@ def test_outside_flop_counts_reproduce_the_stated_tflops() -> None:
     for nodes, secs, tflops in ((280, 60.1, 126), (350, 50.2, 121), (420, 44.4, 113)):
         row = _outside(f"mtnlg_530b_{nodes * 8}gpu")
         assert FID.flops_of(row) / (secs * nodes * 8) / 1e12 == pytest.approx(tflops, rel=0.01)
+    # Megatron-LM's README, GPT-3 175B on 1024 A100s: 'around 32 seconds ... 138 teraFLOPs per GPU' (eq. 3: 137.7)
+    gpt3 = _outside("megatron2021_gpt3_175b_1024gpu")
+    assert FID.flops_of(gpt3) / (32 * 1024) / 1e12 == pytest.approx(138, rel=0.005)
+
+
+def test_megatron_2021_gpt3_example_is_expressed_as_its_script_ran_it() -> None:
+    # examples/pretrain_gpt3_175B.sh: TP 8, PP 16 on 128 nodes of 8, MBS 1, GBS 1536, --fp16,
+    # --checkpoint-activations, no virtual stages, no --DDP-impl (megatron/arguments.py's default: local)
+    with tempfile.TemporaryDirectory() as d:
+        case = FID.express(_outside("megatron2021_gpt3_175b_1024gpu"), Path(d))
+    argv = case.argv
+    assert _opt(argv, "--mesh") == "pp=16,dp=8,tp=8" and _opt(argv, "--strategy") == "dp,megatron"
+    assert _opt(argv, "--batch") == "1536" and _opt(argv, "--microbatches") == "192" and "--schedule" not in argv
+    # Megatron-LM of 2021: blocking sends, scatter-gather, no async tp all-reduce nor wgrad fusion; its local DDP
+    # planned as the sc21 rows' (no --no-grad-overlap: docs/devices.md "--no-grad-overlap")
+    assert {"--no-p2p-overlap", "--pp-scatter-gather", "--no-async-tp-allreduce", "--no-wgrad-fusion"} <= set(argv)
+    assert "--no-grad-overlap" not in argv
+    assert _opt(argv, "--precision") == "fp16" and _opt(argv, "--recompute") == "full"
 
 
 def test_outside_runs_are_kept_out_of_the_band_and_the_calibration() -> None:
