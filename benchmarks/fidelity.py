@@ -1002,7 +1002,8 @@ OUTSIDE_HEADING = "## Out-of-sample check: the largest published runs"
 OUTSIDE_INTRO = [
     "The runs of `benchmarks/data/outside-runs.json`: Llama 3 405B on 8,192 and 16,384 H100s (Dubey et al. 2024,",
     "Table 4, one row at 131,072 tokens with cp 16), BLOOM-176B (BigScience's log and slurm script), Megatron-Turing",
-    "NLG 530B (Smith et al. 2022) and OPT-175B (Zhang et al. 2022). Nothing in the cost model was calibrated on them",
+    "NLG 530B (Smith et al. 2022), Megatron-LM's GPT-3 175B example (its README) and OPT-175B (Zhang et al. 2022).",
+    "Nothing in the cost model was calibrated on them (`benchmarks/data/outside-runs.md`)",
     "and no change was made by looking at them: they are kept out of `band.json`, the summary above and",
     "`benchmarks/calibrate_sustained.py`. Megatron-DeepSpeed's runs as DeepSpeed's PipelineEngine runs them",
     "(blocking sends, the gradients reduced after the pipeline), BLOOM's `CUDA_LAUNCH_BLOCKING=1` as no collective",
