@@ -4,6 +4,7 @@ would type it, and compared in the source's own unit and FLOP definition.
 
     python benchmarks/fidelity.py [--runs FILE ...] [--only PREFIX[,PREFIX]] [--json OUT] [--show-argv] [--breakdown]
     python benchmarks/fidelity.py --runs benchmarks/data/moe-runs.json   # the MoE runs (expert parallelism)
+    python benchmarks/fidelity.py --runs benchmarks/data/outside-runs.json   # out of sample (outside-runs.md)
 
 For each run: the command line (``spmdkit plan --model-config ... --mesh pp=..,dp=..,tp=..
 --strategy ... --device ... --precision ... --recompute ... --json``), the prediction in the
@@ -22,7 +23,10 @@ Units, as the runs file's README says to compare them:
 - Megatron-LM (``tflops_per_gpu``): Megatron-Core's FLOP count
   (``megatron/training/training.py: num_floating_point_operations``);
 - NeMo and torchtitan: ``tokens_per_sec_per_gpu`` (no FLOP definition needed); torchtitan's
-  ``memory_gib_max`` against the predicted peak.
+  ``memory_gib_max`` against the predicted peak;
+- the out-of-sample runs (``outside-runs.json``): BLOOM, MT-NLG and Megatron-LM's GPT-3 example by
+  their stated iteration time (their TFLOP/s are eq. 3's, reproduced from it); Llama 3's TFLOP/s by
+  Megatron-Core's count (Meta states none).
 
 The summary: median and 90th percentile of ``|ratio - 1|`` (speed), the share within 5% and 10%,
 memory ratios where measured, runs that trained predicted to fit, and the pairwise order of the
@@ -61,8 +65,17 @@ RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
 #: published MoE runs with expert parallelism (benchmarks/data/moe-runs.json, the same schema; a
 #: row's ``model.moe.catalog`` names the spmdkit catalog entry with its shapes)
 MOE_RUNS = Path(__file__).resolve().parent / "data" / "moe-runs.json"
+#: published runs of the largest trainings (Llama 3 405B, BLOOM, MT-NLG, OPT) that nothing in the cost
+#: model was calibrated on: an out-of-sample check (benchmarks/data/outside-runs.json, the same schema)
+OUTSIDE_RUNS = Path(__file__).resolve().parent / "data" / "outside-runs.json"
 GIB = 1024**3
 
+
+#: run id prefixes of Megatron-LM of 2021 (before the async tp all-reduce, 2021-09, and gradient-accumulation
+#: fusion, 2022-02): the sc21 runs and outside-runs.json's GPT-3 175B example of the README
+MEGATRON_2021 = ("narayanan21", "megatron2021")
+#: and of 2021-2022 (blocking pipeline sends, scatter-gather of pipeline tensors, the fused softmax)
+MEGATRON_OLD = (*MEGATRON_2021, "korthikanti22")
 
 #: architectures (a phrase of a row's ``model.arch``) the planner cannot build, and the feature named
 MISSING_ARCH: dict[str, str] = {}
@@ -128,7 +141,8 @@ def _arch(row: dict[str, Any]) -> dict[str, Any]:
         out["activation"] = "gelu"
     # the attention kernel: Megatron-LM of 2021-2022 materialised the scores (fused softmax);
     # Megatron-Core, NeMo and torchtitan run flash attention
-    old = row["id"].startswith(("narayanan21", "korthikanti22"))
+    # (and Megatron-DeepSpeed's BLOOM and MT-NLG: its fused scale-mask-softmax, ALiBi's bias in it)
+    old = row["id"].startswith((*MEGATRON_OLD, "bloom", "mtnlg"))
     out["attention"] = "eager" if old and not llama else "flash"
     return out
 
@@ -157,8 +171,10 @@ def _strategy(row: dict[str, Any], assume: list[str]) -> tuple[str, str]:
     if zero.startswith("FSDP"):  # FSDP's SHARD_GRAD_OP keeps the parameters whole between forward and backward
         parts.append("zero2" if "SHARD_GRAD_OP" in zero else "zero3")
         framework = str(row.get("framework") or "torchtitan")  # a stated FSDP2 framework (AutoModel's)
-    elif "distributed optimizer" in zero.lower():
+    elif "distributed optimizer" in zero.lower() or zero.startswith("ZeRO-1"):
         parts.append("zero1")
+    elif zero.startswith("ZeRO-2"):  # Llama 3's FSDP without resharding after forward
+        parts.append("zero2")
     elif par.get("zero") is None and row["id"].startswith(("megatronlm", "nemo")):
         parts.append("zero1")
         assume.append("distributed optimizer (not stated; Megatron-Core / NeMo performance configs use it)")
@@ -285,7 +301,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         raise Unsupported("mixture of experts without a catalog architecture")
     if par.get("activation_cpu_offload"):  # llm-foundry's fsdp_config.activation_cpu_offload
         raise Unsupported("activation CPU offload")
-    assume: list[str] = []
+    assume: list[str] = [str(x) for x in row.get("assumptions") or []]  # the row's own (outside-runs.json)
     device, mem_gib = _device(row, tmp)
     tp, pp, dp = int(par["tp"]), int(par["pp"]), int(par["dp"])
     ep = int(par.get("ep") or 1) if m.get("moe") else 1
@@ -326,7 +342,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
            "batch": 1, "dtype": "bf16", "tied_embeddings": tied}
     if m.get("linear_bias"):  # biases in every linear layer and norm (MPT's no_bias=False)
         cfg["linear_bias"] = True
-    if row["id"].startswith(("narayanan21", "korthikanti22", "megatronlm")):
+    if row["id"].startswith((*MEGATRON_OLD, "megatronlm", "bloom", "mtnlg")):
         # Megatron GPT's hidden and attention dropout, 0.1 by default (Korthikanti et al. count its
         # masks in their activation memory, Sec. 4.1); still so in Megatron-LM core_r0.8.0
         # (megatron/training/arguments.py: --hidden-dropout / --attention-dropout default 0.1)
@@ -370,20 +386,21 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv.append("--cross-entropy-fusion")
     if par.get("ep_comm_overlap"):  # Megatron-Core's --overlap-moe-expert-parallel-comm (1F1B A2A overlap)
         argv.append("--ep-comm-overlap")
-    if pp > 1 and row["id"].startswith(("narayanan21", "korthikanti22")):
+    argv += _deepspeed_flags(row, assume)
+    if pp > 1 and row["id"].startswith(MEGATRON_OLD):
         # Megatron-LM of 2021-2022 (megatron/p2p_communication.py): batch_isend_irecv, req.wait()
         # and torch.cuda.synchronize() after every exchange; overlap_p2p_comm came in 2023-05
         argv.append("--no-p2p-overlap")
         assume.append("pipeline sends block (Megatron-LM 2021-2022: torch.cuda.synchronize() after each "
                       "batch_isend_irecv)")
-    if pp > 1 and tp > 1 and row["id"].startswith(("narayanan21", "korthikanti22")):
+    if pp > 1 and tp > 1 and row["id"].startswith(MEGATRON_OLD):
         # Megatron-LM of 2021-2022 (megatron/p2p_communication at de7dc40f88 and cfd2e21607):
         # scatter_gather_tensors_in_pipeline on by default, off under --sequence-parallel (the
         # planner keeps sp's already-split activations whole); Megatron-Core sends whole tensors
         argv.append("--pp-scatter-gather")
         assume.append("pipeline tensors sent 1/tp a tp rank and all-gathered over tp (Megatron-LM 2021-2022's "
                       "scatter_gather_tensors_in_pipeline; not under sequence parallelism)")
-    if par["tp"] > 1 and row["id"].startswith("narayanan21"):
+    if par["tp"] > 1 and row["id"].startswith(MEGATRON_2021):
         # Megatron-LM at de7dc40f88 (2021-08, the sc21 scripts): the column-parallel linear's
         # backward all-reduce blocks (copy_to_tensor_model_parallel_region); the async one beside
         # the wgrad GEMM came in 16c90445e7 (2021-09, async_tensor_model_parallel_allreduce)
@@ -394,7 +411,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     accum = (gb // (dpe * mb)) if gb else 1
     if gb and gb % (dpe * mb):
         raise Unsupported(f"global batch {gb} not a multiple of dp x micro-batch {dpe * mb}")
-    if accum > 1 and row["id"].startswith("narayanan21"):
+    if accum > 1 and row["id"].startswith(MEGATRON_2021):
         # Megatron-LM at de7dc40f88 predates --gradient-accumulation-fusion (83b1e42f30, 2022-02):
         # its weight gradients accumulate in param.grad through autograd, microbatch by microbatch
         argv.append("--no-wgrad-fusion")
@@ -435,6 +452,37 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     else:
         case.argv = [*argv, "--model-config", json.dumps(cfg)]
     return case
+
+
+def _deepspeed_flags(row: dict[str, Any], assume: list[str]) -> list[str]:
+    """The flags of a Megatron-DeepSpeed run (BLOOM, MT-NLG: ``parallelism.schedule`` names DeepSpeed's
+    PipelineEngine). (Megatron-LM's own local DDP of 2021, ``--DDP-impl local``, is planned as for the
+    sc21 rows: without ``--no-grad-overlap``; docs/devices.md "--no-grad-overlap" says why.) Its ``TrainSchedule`` (deepspeed/runtime/pipe/schedule.py) runs the instructions
+    of a step in order, each send blocking (runtime/pipe/p2p.py ``send``: ``assert async_op == False``,
+    then ``dist.send``, or ``dist.broadcast`` over the two stages' group before torch 1.8), and
+    appends ``ReduceTiedGrads(), ReduceGrads(), OptimizerStep()`` after the last microbatch: the
+    gradients reduced after the pipeline, not under its backward. ``parallelism.launch_blocking``
+    (BLOOM's slurm script exports ``CUDA_LAUNCH_BLOCKING=1``): every launch waits for its kernel, so
+    no collective runs beside compute, the tp all-reduces included."""
+    par = row["parallelism"]
+    out: list[str] = []
+    if "DeepSpeed PipelineEngine" in str(par.get("schedule") or ""):
+        out += ["--no-p2p-overlap", "--no-grad-overlap"]
+        assume.append("DeepSpeed PipelineEngine: blocking sends, the gradients reduced after the last microbatch "
+                      "(schedule.py TrainSchedule: ReduceGrads after the pipeline)")
+    if par.get("launch_blocking"):
+        out.append("--no-async-tp-allreduce")
+        assume.append("CUDA_LAUNCH_BLOCKING=1: the tp all-reduce of the input gradient blocks (no collective beside "
+                      "compute)")
+    elif row["id"].startswith("mtnlg") and int(par["tp"]) > 1:
+        out.append("--no-async-tp-allreduce")
+        assume.append("tp all-reduce of the input gradient blocks (Megatron-DeepSpeed of 2021, forked before "
+                      "Megatron-LM's async_tensor_model_parallel_allreduce, 2021-09; not stated)")
+    if row["id"].startswith(("bloom", "mtnlg")) and par.get("global_batch"):
+        out.append("--no-wgrad-fusion")
+        assume.append("weight gradients added into param.grad each microbatch (Megatron-DeepSpeed of 2021-2022: "
+                      "no gradient accumulation fusion, which Megatron-LM gained in 2022-02)")
+    return out
 
 
 def _moe_model(m: dict[str, Any]) -> str:
@@ -509,6 +557,17 @@ def megatron_core_flops(row: dict[str, Any]) -> float:
     gated = 1.5 if _arch(row)["activation"] == "swiglu" else 1.0
     return 12.0 * gb * s * l_ * h * h * ((1 + kv / heads + s / h) + m["ffn_hidden"] / h * gated
                                          + v / (2 * l_ * h))
+
+
+def flops_of(row: dict[str, Any]) -> float:
+    """A run's FLOPs per iteration as its source counts them: Narayanan's eq. 3 for the sc21 runs and for
+    Megatron-DeepSpeed's (BLOOM's and MT-NLG's throughput logs: ``24 x 4 x B s l h^2 (...)``, the
+    factor 4 for the checkpointed forward); Megatron-Core's for a MoE and for the rest (Llama 3's, whose
+    source states none: the non-causal count Megatron-Core and torchtitan's ``get_num_flop_per_token``
+    share)."""
+    if row["id"].startswith((*MEGATRON_2021, "bloom", "mtnlg")):
+        return narayanan_flops(row)
+    return megatron_core_moe_flops(row) if row["model"].get("moe") else megatron_core_flops(row)
 
 
 def _padded_vocab(v: int, tp: int, divisible_by: int) -> int:
@@ -710,9 +769,7 @@ def predict(case: Case, planned: dict[tuple[str, ...], dict[str, Any]] | None = 
         m = row["model"]
         return row["parallelism"]["global_batch"] * m["seq_len"] / step / case.gpus, mem
     if metric == "tflops_per_gpu":
-        f = narayanan_flops(row) if row["id"].startswith("narayanan21") else \
-            megatron_core_moe_flops(row) if row["model"].get("moe") else megatron_core_flops(row)
-        return f / step / case.gpus / 1e12, mem
+        return flops_of(row) / step / case.gpus / 1e12, mem
     if metric == "mfu_pct":
         return 100 * korthikanti_model_flops(row) / (step * case.gpus * 312e12), mem
     raise AssertionError(metric)
@@ -934,11 +991,50 @@ def moe_section(mres: list[dict[str, Any]], muns: dict[str, list[str]], ms: dict
 def split_moe_section(doc: str) -> tuple[str, list[str]]:
     """(docs/fidelity.md without its MoE section, the section's lines as :func:`moe_section` makes
     them): so the dense runs and the MoE runs are checked apart."""
+    return split_section(doc, MOE_HEADING)
+
+
+def split_section(doc: str, heading: str) -> tuple[str, list[str]]:
+    """(``doc`` without the section under ``heading``, the section's lines: its blank line and heading
+    up to the blank line before the next ``## `` heading)."""
     lines = doc.split("\n")
-    if MOE_HEADING not in lines or AFTER_MOE not in lines:
+    if heading not in lines or AFTER_MOE not in lines:
         return doc, []
-    a, b = lines.index(MOE_HEADING) - 1, lines.index(AFTER_MOE) - 1
+    a = lines.index(heading) - 1
+    b = next(k for k in range(a + 2, len(lines)) if lines[k].startswith("## ")) - 1
     return "\n".join(lines[:a] + lines[b:]), lines[a:b]
+
+
+OUTSIDE_HEADING = "## Out-of-sample check: the largest published runs"
+OUTSIDE_INTRO = [
+    "The runs of `benchmarks/data/outside-runs.json`: Llama 3 405B on 8,192 and 16,384 H100s (Dubey et al. 2024,",
+    "Table 4, one row at 131,072 tokens with cp 16), BLOOM-176B (BigScience's log and slurm script), Megatron-Turing",
+    "NLG 530B (Smith et al. 2022), Megatron-LM's GPT-3 175B example (its README) and OPT-175B (Zhang et al. 2022).",
+    "Nothing in the cost model was calibrated on them (`benchmarks/data/outside-runs.md`)",
+    "and no change was made by looking at them: they are kept out of `band.json`, the summary above and",
+    "`benchmarks/calibrate_sustained.py`. Megatron-DeepSpeed's runs as DeepSpeed's PipelineEngine runs them",
+    "(blocking sends, the gradients reduced after the pipeline), BLOOM's `CUDA_LAUNCH_BLOCKING=1` as no collective",
+    "beside compute; BLOOM and MT-NLG in Narayanan's eq. 3 (their own count), Llama 3 by Megatron-Core's count",
+    "(Meta states none; non-causal attention, as torchtitan's): each row's assumptions below.", ""]
+#: runs files planned apart from the calibration, each a section of docs/fidelity.md after the MoE runs
+#: (runs file, heading, the lines under it): out of band.json and of the summary of the published runs
+EXTRA_RUNS: list[tuple[Path, str, list[str]]] = [(OUTSIDE_RUNS, OUTSIDE_HEADING, OUTSIDE_INTRO)]
+
+
+def extra_section(heading: str, intro: list[str], res: list[dict[str, Any]], uns: dict[str, list[str]],
+                  s: dict[str, Any]) -> list[str]:
+    """docs/fidelity.md's section of a runs file of :data:`EXTRA_RUNS`: its summary, every run with its
+    assumptions, the runs not expressible."""
+    out = ["", heading, "", *intro]
+    out += [f"- {line}" for line in summary_lines(s)]
+    out += ["", "| run | unit | measured | predicted | ratio | memory GiB | fits |", "|---|---|---|---|---|---|---|"]
+    for r in res:
+        fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
+        out.append(f"| {r['id']} | {r['metric']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
+                   f"{r['memory_gib']:.1f} | {fits} |")
+    out += [""] + [f"- {r['id']}: " + "; ".join(r["assumptions"]) for r in res]
+    out += [f"- unsupported {k}: {', '.join(v)}" for k, v in uns.items()]
+    return out
 
 ROOT = Path(__file__).resolve().parents[1]
 BAND = ROOT / "src" / "spmdkit" / "cost" / "band.json"
@@ -983,11 +1079,14 @@ def main() -> int:
         BAND.write_text(json.dumps(band_json(results), indent=1) + "\n")
         mrows = json.loads(MOE_RUNS.read_text())
         mres, muns = evaluate(mrows, False, sys.stdout)
-        frows = json.loads(FOUNDRY_RUNS.read_text())  # the out-of-sample check: not in band.json
+        sections = moe_section(mres, muns, summarise(mres, muns))
+        for path, heading, intro in EXTRA_RUNS:  # the out-of-sample checks: not in band.json
+            xres, xuns = evaluate(json.loads(path.read_text()), False, sys.stdout)
+            sections += extra_section(heading, intro, xres, xuns, summarise(xres, xuns))
+        frows = json.loads(FOUNDRY_RUNS.read_text())
         fres, funs = evaluate(frows, False, sys.stdout)
         fsec = foundry_section(fres, funs, frows, summary_lines(summarise(fres, funs)))
-        DOC.write_text(with_foundry_section(markdown(results, unsupported, s, moe_section(mres, muns, summarise(mres, muns))),
-                                            fsec))
+        DOC.write_text(with_foundry_section(markdown(results, unsupported, s, sections), fsec))
     return 0
 
 

@@ -165,6 +165,8 @@ def test_band_and_docs_are_current() -> None:
     doc, _ = sys.modules["fidelity_foundry"].split_foundry_section((ROOT / "docs" / "fidelity.md").read_text())
     rest, section = FID.split_moe_section(doc)
     assert section, "docs/fidelity.md has no MoE section: run: python benchmarks/fidelity.py --write"
+    for _, heading, _ in FID.EXTRA_RUNS:  # the out-of-sample sections, checked apart (below)
+        rest, _ = FID.split_section(rest, heading)
     assert rest == FID.markdown(results, unsupported, s), "run: python benchmarks/fidelity.py --write"
 
 
@@ -504,3 +506,122 @@ def test_foundry_docs_are_current() -> None:
     _, section = FF.split_foundry_section((ROOT / "docs" / "fidelity.md").read_text())
     assert section == FF.foundry_section(fres, funs, rows, FID.summary_lines(FID.summarise(fres, funs))), \
         "run: python benchmarks/fidelity.py --write"
+
+
+# -- the out-of-sample runs (benchmarks/data/outside-runs.json) --------------------------------------------
+
+OUTSIDE: list[dict[str, Any]] = json.loads(FID.OUTSIDE_RUNS.read_text())
+
+
+def _outside(rid: str) -> dict[str, Any]:
+    return next(r for r in OUTSIDE if r["id"] == rid)
+
+
+def _opt(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_outside_runs_are_expressed_or_named_unsupported() -> None:
+    reasons: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        for row in OUTSIDE:
+            try:
+                case = FID.express(row, Path(d))
+            except FID.Unsupported as exc:
+                reasons.setdefault(str(exc), []).append(row["id"])
+                continue
+            assert case.argv[0] == "plan" and case.gpus == row["hardware"]["num_gpus"]
+    # OPT-175B: 2M tokens = 1,024 sequences over 992 / 8 = 124 data-parallel ranks: its batch a rank is not known
+    assert reasons == {"global batch 1024 not a multiple of dp x micro-batch 124": ["opt_175b_992gpu"]}
+    assert {r["id"].split("_")[0] for r in OUTSIDE} == {"llama3", "bloom", "mtnlg", "megatron2021", "opt"}
+    assert len(OUTSIDE) == 9
+
+
+def test_bloom_is_expressed_as_its_slurm_script_ran_it() -> None:
+    # tr11-176B-ml.slurm: TP 4, PP 12 on 48 nodes of 8, MBS 2, GBS 2048, --checkpoint-activations, --bf16, ZeRO
+    # stage 0 with the bf16 optimizer's own stage-1 sharding, DeepSpeed's PipelineEngine, CUDA_LAUNCH_BLOCKING=1
+    with tempfile.TemporaryDirectory() as d:
+        case = FID.express(_outside("bloom_176b_384gpu"), Path(d))
+    argv = case.argv
+    assert _opt(argv, "--mesh") == "pp=12,dp=8,tp=4" and _opt(argv, "--strategy") == "dp,megatron,zero1"
+    assert _opt(argv, "--recompute") == "full" and _opt(argv, "--precision") == "bf16"
+    assert _opt(argv, "--batch") == "2048" and _opt(argv, "--microbatches") == "128"  # 8 x 2 x 128 sequences
+    # 'type:transformer|embedding': 70 layers + 2 embeddings = 72 parts, 6 a stage, an embedding on each end stage
+    assert _opt(argv, "--stages") == ",".join(["5"] + ["6"] * 10 + ["5"])
+    assert {"--no-p2p-overlap", "--no-grad-overlap", "--no-async-tp-allreduce", "--no-wgrad-fusion"} <= set(argv)
+    cfg = json.loads(_opt(argv, "--model-config"))
+    assert (cfg["attention"], cfg["vocab"], cfg["layers"], cfg["ffn"], cfg["dropout"]) == ("eager", 250880, 70, 57344, 0.1)
+    assert case.metric == "step_time_s" and case.measured == 105.22
+
+
+def test_llama3_long_context_row_is_expressed_as_table4_states() -> None:
+    # 16,384 GPUs = TP 8 x CP 16 x PP 16 x DP 8; 16 sequences of 131,072 a DP rank; all-gather cp attention;
+    # FSDP without resharding after forward: ZeRO-2; 126 layers + embedding and loss chunks = 16 x 8 one-layer chunks
+    with tempfile.TemporaryDirectory() as d:
+        case = FID.express(_outside("llama3_t4_405b_16384gpu_cp16_128k"), Path(d))
+    argv = case.argv
+    assert _opt(argv, "--mesh") == "pp=16,dp=8,cp=16,tp=8"
+    assert _opt(argv, "--strategy") == "dp,megatron,sp,cp,zero2,cp-attention=allgather"
+    assert _opt(argv, "--batch") == "128" and _opt(argv, "--microbatches") == "16"
+    assert _opt(argv, "--virtual-stages") == "8" and _opt(argv, "--stages") == ",".join(["0"] + ["1"] * 126 + ["0"])
+    assert json.loads(_opt(argv, "--model-config"))["seq"] == 131072 and case.metric == "tflops_per_gpu"
+
+
+def test_outside_flop_counts_reproduce_the_stated_tflops() -> None:
+    # BLOOM's log: 149.02 TFLOP/s at 105.22 s an iteration on 384 GPUs, Megatron-DeepSpeed's eq. 3 with the
+    # checkpoint factor 4: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), B = s = 2048, l 70, h 14336, V 250880
+    bloom = _outside("bloom_176b_384gpu")
+    f = FID.flops_of(bloom)
+    assert f == pytest.approx(96 * 2048 * 2048 * 70 * 14336**2 * (1 + 2048 / (6 * 14336) + 250880 / (16 * 70 * 14336)))
+    assert f / (105.22 * 384) / 1e12 == pytest.approx(149.02, abs=0.05)
+    # MT-NLG Sec. 2.4: 60.1 / 50.2 / 44.4 s on 280 / 350 / 420 DGX A100 = 126 / 121 / 113 TFLOP/s; eq. 3 at
+    # B 1920, l 105, h 20480, V 51200 gives 125.7 / 120.4 / 113.5 (the paper's rounding: within 1%)
+    for nodes, secs, tflops in ((280, 60.1, 126), (350, 50.2, 121), (420, 44.4, 113)):
+        row = _outside(f"mtnlg_530b_{nodes * 8}gpu")
+        assert FID.flops_of(row) / (secs * nodes * 8) / 1e12 == pytest.approx(tflops, rel=0.01)
+    # Megatron-LM's README, GPT-3 175B on 1024 A100s: 'around 32 seconds ... 138 teraFLOPs per GPU' (eq. 3: 137.7)
+    gpt3 = _outside("megatron2021_gpt3_175b_1024gpu")
+    assert FID.flops_of(gpt3) / (32 * 1024) / 1e12 == pytest.approx(138, rel=0.005)
+
+
+def test_megatron_2021_gpt3_example_is_expressed_as_its_script_ran_it() -> None:
+    # examples/pretrain_gpt3_175B.sh: TP 8, PP 16 on 128 nodes of 8, MBS 1, GBS 1536, --fp16,
+    # --checkpoint-activations, no virtual stages, no --DDP-impl (megatron/arguments.py's default: local)
+    with tempfile.TemporaryDirectory() as d:
+        case = FID.express(_outside("megatron2021_gpt3_175b_1024gpu"), Path(d))
+    argv = case.argv
+    assert _opt(argv, "--mesh") == "pp=16,dp=8,tp=8" and _opt(argv, "--strategy") == "dp,megatron"
+    assert _opt(argv, "--batch") == "1536" and _opt(argv, "--microbatches") == "192" and "--schedule" not in argv
+    # Megatron-LM of 2021: blocking sends, scatter-gather, no async tp all-reduce nor wgrad fusion; its local DDP
+    # planned as the sc21 rows' (no --no-grad-overlap: docs/devices.md "--no-grad-overlap")
+    assert {"--no-p2p-overlap", "--pp-scatter-gather", "--no-async-tp-allreduce", "--no-wgrad-fusion"} <= set(argv)
+    assert "--no-grad-overlap" not in argv
+    assert _opt(argv, "--precision") == "fp16" and _opt(argv, "--recompute") == "full"
+
+
+def test_outside_runs_are_kept_out_of_the_band_and_the_calibration() -> None:
+    calibrate = (ROOT / "benchmarks" / "calibrate_sustained.py").read_text()
+    assert "OUTSIDE" not in calibrate and "outside-runs" not in calibrate and "fidelity.RUNS" in calibrate
+    assert FID.OUTSIDE_RUNS != FID.RUNS and not {r["id"] for r in ROWS} & {r["id"] for r in OUTSIDE}
+
+
+def test_extra_sections_are_split_off_whole() -> None:
+    s0 = FID.summarise([], {})
+    moe = ["", FID.MOE_HEADING, "", "- a line"]
+    extra = FID.extra_section(FID.OUTSIDE_HEADING, ["an intro"], [], {"a feature": ["a_run"]}, s0)
+    doc = FID.markdown([], {}, s0, moe + extra)
+    rest, section = FID.split_moe_section(doc)
+    assert section == moe
+    rest, section = FID.split_section(rest, FID.OUTSIDE_HEADING)
+    assert section == extra and section[-1] == "- unsupported a feature: a_run" and rest == FID.markdown([], {}, s0)
+
+
+def test_outside_docs_are_current() -> None:
+    """docs/fidelity.md's out-of-sample sections are what the code predicts today (fails until
+    ``python benchmarks/fidelity.py --write`` has written them)."""
+    doc = (ROOT / "docs" / "fidelity.md").read_text()
+    for path, heading, intro in FID.EXTRA_RUNS:
+        res, uns = FID.evaluate(json.loads(path.read_text()))
+        _, section = FID.split_section(doc, heading)
+        assert section == FID.extra_section(heading, intro, res, uns, FID.summarise(res, uns)), \
+            "run: python benchmarks/fidelity.py --write"
