@@ -112,7 +112,7 @@ def test_zero1_accum_is_unchanged() -> None:
     assert d["memory"]["gradients"] == 26944 and d["memory"]["optimizer_states"] == 13640
     assert d["totals"]["backward"]["collectives"] == {"all_reduce": N_PARAMS}
     assert d["totals"]["backward"]["bytes_per_rank"] == 40416
-    assert d["step"]["step_overlap_s"] == pytest.approx(0.0019244491577851896, rel=1e-9)
+    assert d["step"]["step_overlap_s"] == pytest.approx(0.0018817882617865123, rel=1e-9)
     assert d["step"]["comm_s"]["gradient_buckets"] == pytest.approx(8.512266666666665e-06, rel=1e-9)
 
 
