@@ -44,6 +44,26 @@ def foundry_mfu_pct(row: dict[str, Any], tokens_per_sec_per_gpu: float) -> float
     return 100 * per_seq * tokens_per_sec_per_gpu / s / peak
 
 
+#: the flash-attn the benchmark runs installed, by the commit that added the row (submit_benchmarks.py
+#: ``pip_install`` and setup.py's extras at that commit) -> its CrossEntropyLoss kernel: 300cc5c58 ``.[gpu]``,
+#: flash-attn v1.0.3.post0; b2a43a147 ``.[gpu]``, flash-attn 1.0.9 (its fp8 rows 1.0.7); 5e85bd62d
+#: ``.[gpu-flash2]``, flash-attn 2.4.2. Every yaml the rows ran (yamls/pretrain/mpt-*.yaml; mosaic_gpt's
+#: at 300cc5c58) leaves ``loss_fn`` unset: the default, ``fused_crossentropy`` (modeling_mpt.py /
+#: mosaic_gpt.py at each commit), flash_attn.losses.cross_entropy.CrossEntropyLoss(ignore_index=-100)
+FOUNDRY_LOSS = {"300cc5c58": ("flash-attn-xentropy", "flash-attn v1.0.3.post0"),
+                "b2a43a147": ("flash-attn-xentropy", "flash-attn 1.0.9 (fp8 rows: 1.0.7)"),
+                "5e85bd62d": ("flash-attn-triton", "flash-attn 2.4.2")}
+
+
+def foundry_loss(row: dict[str, Any], assume: list[str]) -> list[str]:
+    """``--cross-entropy-kernel`` of an llm-foundry row: MPT's default loss_fn, fused_crossentropy,
+    with the flash-attn its commit's benchmark runs installed (:data:`FOUNDRY_LOSS`)."""
+    kernel, version = FOUNDRY_LOSS[str(row["source"]["row_added"]).split()[0]]
+    assume.append(f"loss_fn fused_crossentropy (MPT's default; no yaml sets it): flash-attn's CrossEntropyLoss of "
+                  f"{version}, --cross-entropy-kernel {kernel}")
+    return ["--cross-entropy-kernel", kernel]
+
+
 def foundry_argv(row: dict[str, Any], assume: list[str]) -> list[str]:
     """The options of an llm-foundry row beyond the common ones (none for another source): the
     gradient reduction's dtype, and what differs from the real framework, as assumptions."""
@@ -57,12 +77,13 @@ def foundry_argv(row: dict[str, Any], assume: list[str]) -> list[str]:
                   "trainer.py _train_microbatch: no no_sync for a model that is not DDP); not tuned to these rows")
     assume.append("MPT's triton flash-attention kernel planned as flash attention, low_precision_layernorm as a "
                   "layer norm, eager PyTorch ops (--no-compile)")
+    argv = foundry_loss(row, assume)
     if str(par.get("fsdp_mixed_precision")) == "PURE":
         # Composer get_mixed_precision: PURE reduces in the precision's dtype, DEFAULT in fp32
         assume.append("FSDP mixed_precision PURE: gradients reduce-scattered in bf16 (--grad-dtype bf16)")
-        return ["--grad-dtype", "bf16"]
+        return [*argv, "--grad-dtype", "bf16"]
     assume.append("FSDP mixed_precision DEFAULT: gradients reduce-scattered in fp32 (the framework's default)")
-    return []
+    return argv
 
 
 def _by(results: list[dict[str, Any]], rows: dict[str, dict[str, Any]], key: Callable[[dict[str, Any]], str]

@@ -457,6 +457,17 @@ def test_a_foundry_row_is_the_command_its_table_line_says() -> None:
     assert c[c.index("--precision") + 1] == "fp8"
 
 
+def test_foundry_rows_run_flash_attn_cross_entropy_of_their_commit() -> None:
+    """MPT's default loss_fn, fused_crossentropy: flash-attn's CrossEntropyLoss of the flash-attn the
+    row's commit installed: 300cc5c58 and b2a43a147 ``.[gpu]`` (flash-attn 1.x: the CUDA xentropy),
+    5e85bd62d ``.[gpu-flash2]`` (flash-attn 2.4.2: the Triton kernel)."""
+    for rid, kernel in (("foundry_a100_40gb_bf16_7b_s4096_g8_mb6", "flash-attn-xentropy"),    # 300cc5c58
+                        ("foundry_h100_80gb_fp8_3b_s512_g8_mb40", "flash-attn-xentropy"),     # b2a43a147
+                        ("foundry_h100_80gb_bf16_3b_s2048_g512_mb8", "flash-attn-triton")):   # 5e85bd62d
+        a = _foundry_case(rid).argv
+        assert a[a.index("--cross-entropy-kernel") + 1] == kernel, rid
+
+
 @pytest.mark.parametrize("rid", ["foundry_a100_40gb_bf16_125m_s2048_g8_mb26", "foundry_a100_80gb_bf16_125m_s65536_g8_mb1",
                                  "foundry_h100_80gb_bf16_70b_s2048_g512_mb8", "foundry_a100_80gb_bf16_30b_s8192_g8_mb1"])
 def test_foundry_models_have_the_published_parameter_counts(rid: str) -> None:

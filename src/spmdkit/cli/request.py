@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.zoo import PRESETS, is_config_text
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE
-from spmdkit.program.runtime import Runtime, parse_moe_histogram, parse_moe_skew, parse_precision
+from spmdkit.program.runtime import CE_KERNELS, Runtime, parse_moe_histogram, parse_moe_skew, parse_precision
 
 #: ``--mesh`` when neither it nor ``--devices`` is given.
 DEFAULT_MESH = "dp=2,tp=4"
@@ -77,6 +77,7 @@ class Links:
     moe_dispatcher: str | None = None
     moe_routing: str | None = None
     ce_fusion: bool = False
+    ce_kernel: str | None = None
     p2p_overlap: bool = True
     pp_scatter_gather: bool = False
     ep_comm_overlap: bool = False
@@ -95,7 +96,7 @@ class Links:
                        grad_dtype=_state_dtype(self.grad_dtype), optimizer_dtype=_state_dtype(self.optimizer_dtype),
                        compile=self.compile, moe_dispatcher=(self.moe_dispatcher or "alltoall").strip().lower(),
                        moe_routing=(self.moe_routing or "topk").strip().lower(),
-                       ce_fusion=self.ce_fusion, p2p_overlap=self.p2p_overlap,
+                       ce_fusion=self.ce_fusion, ce_kernel=self.ce_kernel, p2p_overlap=self.p2p_overlap,
                        pp_scatter_gather=self.pp_scatter_gather,
                        ep_comm_overlap=self.ep_comm_overlap, grad_overlap=self.grad_overlap,
                        tp_allreduce_overlap=self.tp_allreduce_overlap, wgrad_fusion=self.wgrad_fusion)
@@ -230,6 +231,18 @@ def _strategy(ns: argparse.Namespace) -> str | None:
     return ",".join([*([ns.strategy] if ns.strategy else []), *extra])
 
 
+def _add_loss_arguments(p: argparse.ArgumentParser) -> None:
+    """The loss as the framework or the model code runs it (docs/devices.md, "The loss")."""
+    p.add_argument("--cross-entropy-fusion", dest="ce_fusion", action="store_true",
+                   help="framework megatron: the loss as Megatron's --cross-entropy-loss-fusion runs it (NeMo's "
+                        "cross_entropy_loss_fusion: fewer passes over the fp32 logits; default off, as in Megatron-LM)")
+    p.add_argument("--cross-entropy-kernel", dest="ce_kernel", choices=CE_KERNELS,
+                   help="framework torchtitan: the loss is flash-attn's fused CrossEntropyLoss in the model code "
+                        "(llm-foundry MPT's loss_fn: fused_crossentropy): flash-attn-xentropy (flash-attn <= 2.2.2, "
+                        "CUDA xentropy) or flash-attn-triton (>= 2.2.3); one kernel over the bf16 logits each way, "
+                        "no fp32 copy (default: the framework's own loss)")
+
+
 def _add_cp_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-attention", dest="cp_attention", choices=("allgather", "ring", "alltoall"),
                    help="with cp in --strategy: attention over the split sequence by allgather (k and v gathered: "
@@ -249,7 +262,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
                     framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
                     moe_histogram=ns.moe_histogram, grad_dtype=ns.grad_dtype,
                     optimizer_dtype=ns.optimizer_dtype, compile=ns.compile, moe_dispatcher=ns.moe_dispatcher,
-                    moe_routing=ns.moe_routing, ce_fusion=ns.ce_fusion, p2p_overlap=ns.p2p_overlap,
+                    moe_routing=ns.moe_routing, ce_fusion=ns.ce_fusion, ce_kernel=ns.ce_kernel,
+                    p2p_overlap=ns.p2p_overlap,
                     pp_scatter_gather=ns.pp_scatter_gather,
                     ep_comm_overlap=ns.ep_comm_overlap, grad_overlap=ns.grad_overlap,
                     tp_allreduce_overlap=ns.tp_allreduce_overlap, wgrad_fusion=ns.wgrad_fusion),
@@ -364,9 +378,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-wgrad-fusion", dest="wgrad_fusion", action="store_false",
                    help="framework megatron: autograd adds each microbatch's weight gradient into param.grad "
                         "(Megatron-LM before 2022-02); default: its GEMM accumulates into the fp32 main_grad")
-    p.add_argument("--cross-entropy-fusion", dest="ce_fusion", action="store_true",
-                   help="framework megatron: the loss as Megatron's --cross-entropy-loss-fusion runs it (NeMo's "
-                        "cross_entropy_loss_fusion: fewer passes over the fp32 logits; default off, as in Megatron-LM)")
+    _add_loss_arguments(p)
     p.add_argument("--moe-skew", dest="moe_skew", metavar="F|NAME",
                    help="mixture of experts: the busiest expert receives F x the mean tokens (the others share the "
                         "rest); under expert parallelism the step waits for the busiest ep rank (default 1: uniform); "

@@ -20,8 +20,25 @@ compiled by ``jit_fuser``: torch.compile from torch 2.2): the upcast and ``max``
 division (read 4, write 4): 26 forward; the backward's scale and cast to bf16 in one kernel (read
 4, write 4 in place, write 2): 10.
 
-Only the ``megatron`` framework's loss is modelled here (torchtitan's eager loss: :mod:`spmdkit.cost.eager`;
-AutoModel's on bf16 logits keeps the op families' cost).
+flash-attn's ``CrossEntropyLoss`` (``--cross-entropy-kernel``; llm-foundry's MPT calls it as
+``CrossEntropyLoss(ignore_index=-100)``, so ``inplace_backward=False``), over 16-bit logits
+without an upcast, the per-token losses and log-sum-exp in fp32:
+
+- ``flash-attn-xentropy`` (flash-attn v0.2.8 to v2.2.2, ``flash_attn/losses/cross_entropy.py``
+  over ``csrc/xentropy/xentropy_kernel.cu``, the same file from v0.2.8 to v2.3.2; read at v1.0.9,
+  6d48e14a): forward ``cunn_SoftMaxXEntropyForward``, one block a row, two ``ilpReduce`` walks of
+  the row (max and sum; then the sum of exponentials): read 2 + 2; backward
+  ``cunn_SoftMaxXEntropyBackward`` reads the saved logits and writes the gradient into
+  ``at::empty_like(logits)`` (``inplace`` false): read 2, write 2. One kernel each way.
+- ``flash-attn-triton`` (from v2.2.3, ``flash_attn/ops/triton/cross_entropy.py``; read at v2.4.2,
+  1a2c3e8c): ``cross_entropy_fwd_kernel`` loads a row's block (``BLOCK_SIZE`` up to 64k
+  columns, one block for a vocabulary up to 65536) once: read 2; ``cross_entropy_bwd_kernel``
+  reads the logits and writes ``torch.empty_like(logits)``: read 2, write 2.
+
+Per token both read the int64 label and write (forward) or read (backward) the fp32 loss and
+log-sum-exp: 16 bytes a token each way (:data:`FLASH_CE_TOKEN`).
+Only the ``megatron`` framework's own loss and flash-attn's are modelled here (torchtitan's eager loss:
+:mod:`spmdkit.cost.eager`; AutoModel's on bf16 logits keeps the op families' cost).
 """
 
 from __future__ import annotations
@@ -38,6 +55,17 @@ LOSS_BACKWARD = frozenset({"cross_entropy_with_softmax_grad", "c_softmax_with_cr
 #: bytes per logit element (forward, backward) and kernels (forward, backward) of Megatron-Core's
 #: vocab-parallel cross-entropy, unfused and fused (module docstring)
 MEGATRON_CE = {False: ((38.0, 14.0), (6, 3)), True: ((26.0, 10.0), (4, 1))}
+#: bytes per 16-bit logit element (forward, backward) of flash-attn's fused cross-entropy kernels,
+#: one kernel each way (module docstring)
+FLASH_CE = {"flash-attn-xentropy": (4.0, 4.0), "flash-attn-triton": (2.0, 4.0)}
+#: bytes per token of those kernels, each way: the int64 label, the fp32 loss and log-sum-exp
+FLASH_CE_TOKEN = 16.0
+#: bytes per logit element flash-attn's loss holds beyond the program's 16-bit softmax, as
+#: :data:`spmdkit.cost.memory.LOSS_BYTES` (held, forward, backward): the kernel saves the 16-bit
+#: logits themselves for the backward (what the program's softmax stands for: 0 held), writes no
+#: softmax in the forward (-2: the program's softmax beside its logits) and its gradient into a
+#: new tensor of the logits' dtype, as the program's (0)
+FLASH_CE_BYTES = (0, -2, 0)
 
 
 def _logits(lop: LocalOp, backward: bool) -> tuple[int, int] | None:
@@ -48,6 +76,23 @@ def _logits(lop: LocalOp, backward: bool) -> tuple[int, int] | None:
             shape, itemsize, _dtype = args[0]
             return numel(shape), itemsize
     return None
+
+
+def flash_ce_cost(rule: str, lop: LocalOp, c: OpCost, kernel: str) -> OpCost:
+    """``c`` (a softmax cross-entropy or its grad) as flash-attn's ``kernel`` (:data:`FLASH_CE`)
+    runs it over the local 16-bit logits: its bytes, one kernel; ``c`` itself for another op or
+    fp32 logits."""
+    backward = rule in LOSS_BACKWARD
+    if not (backward or rule in LOSS_FORWARD):
+        return c
+    args = next((lop.ins[p] for p in (("softmax",) if backward else ("x", "input", "logits")) if lop.ins.get(p)), None)
+    if not args or args[0][1] != 2 or not args[0][0]:
+        return c
+    shape = args[0][0]
+    elems = numel(shape)
+    tokens = elems // max(1, shape[-1])
+    per = FLASH_CE[kernel][1 if backward else 0]
+    return replace(c, bytes=per * elems + FLASH_CE_TOKEN * tokens, kernels=1)
 
 
 def loss_cost(rule: str, lop: LocalOp, c: OpCost, framework: str, fused: bool) -> OpCost:
@@ -67,4 +112,5 @@ def loss_cost(rule: str, lop: LocalOp, c: OpCost, framework: str, fused: bool) -
     return replace(c, bytes=max(c.bytes, per * elems), kernels=max(c.kernels, kb if backward else kf))
 
 
-__all__ = ["LOSS_BACKWARD", "LOSS_FORWARD", "MEGATRON_CE", "loss_cost"]
+__all__ = ["FLASH_CE", "FLASH_CE_BYTES", "FLASH_CE_TOKEN", "LOSS_BACKWARD", "LOSS_FORWARD", "MEGATRON_CE", "flash_ce_cost",
+           "loss_cost"]

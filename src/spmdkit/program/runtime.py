@@ -28,7 +28,16 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   copy (the bf16 parameter is the master); None: the framework's default.
 - ``ce_fusion``: Megatron's ``--cross-entropy-loss-fusion`` (NeMo's ``cross_entropy_loss_fusion``):
   the vocab-parallel cross-entropy's passes over the fp32 logits compiled together, fewer of
-  them (:mod:`spmdkit.cost.loss`); off by default, as in Megatron-LM.
+  them (:mod:`spmdkit.cost.loss`); off by default, as in Megatron-LM. Under ``--framework megatron``
+  only (refused elsewhere: the other frameworks have no such option).
+- ``ce_kernel``: the loss is flash-attn's fused ``CrossEntropyLoss`` (``--cross-entropy-kernel``),
+  as model code calls it (llm-foundry's MPT, ``loss_fn: fused_crossentropy``, its default):
+  ``flash-attn-xentropy`` (flash-attn up to v2.2.2: the CUDA ``xentropy_cuda_lib``) or
+  ``flash-attn-triton`` (from v2.2.3: the Triton kernel). One kernel over the 16-bit logits
+  each way, no fp32 copy; the logits saved for the backward (:mod:`spmdkit.cost.loss`). Under
+  ``--framework torchtitan`` only (FSDP with eager model code, how llm-foundry's Composer runs
+  are planned); Megatron and AutoModel run their own losses and are refused. None: the
+  framework's loss.
 - ``p2p_overlap``: the interleaved pipeline's sends overlap the next unit's compute (Megatron's
   ``overlap_p2p_comm``, on by default since 2023); off (``--no-p2p-overlap``): every send blocks
   its sender, as Megatron-LM's ``batch_isend_irecv`` + ``torch.cuda.synchronize()`` of 2021-2022.
@@ -97,6 +106,8 @@ FRAMEWORKS = ("megatron", "torchtitan", "automodel")
 DISPATCHERS = ("alltoall", "deepep")
 #: ``--moe-routing`` values (module docstring)
 ROUTINGS = ("topk", "balanced")
+#: ``--cross-entropy-kernel``: flash-attn's fused cross-entropy kernels (:mod:`spmdkit.cost.loss`)
+CE_KERNELS = ("flash-attn-xentropy", "flash-attn-triton")
 #: ``--moe-skew NAME``: published per-expert load imbalances, the busiest expert's tokens over the
 #: mean (``1 + MaxVio``, ``1 + (max - mean) / mean``), and where each is from (docs/experts.md,
 #: "Routing skew: the published figures")
@@ -159,6 +170,7 @@ class Runtime:
     moe_dispatcher: str = "alltoall"
     moe_routing: str = "topk"
     ce_fusion: bool = False
+    ce_kernel: str | None = None
     p2p_overlap: bool = True
     pp_scatter_gather: bool = False
     ep_comm_overlap: bool = False
@@ -188,9 +200,27 @@ class Runtime:
         if self.pp_scatter_gather and self.framework != "megatron":
             raise ProgramError(f"--pp-scatter-gather: applies to --framework megatron only (Megatron-LM 2021-2022's "
                                f"scatter_gather_tensors_in_pipeline), not --framework {self.framework}")
+        self._check_loss()
         if self.compile is not None and self.framework != "torchtitan":
             raise ProgramError(f"--{'' if self.compile else 'no-'}compile: applies to --framework torchtitan only "
                                f"(--framework {self.framework} runs fused Transformer Engine kernels)")
+
+    def _check_loss(self) -> None:
+        """``--cross-entropy-fusion`` and ``--cross-entropy-kernel`` where the framework has them."""
+        if self.ce_fusion and self.framework != "megatron":
+            raise ProgramError(f"--cross-entropy-fusion: Megatron's --cross-entropy-loss-fusion applies to --framework "
+                               f"megatron only, not --framework {self.framework}")
+        if self.ce_kernel is None:
+            return
+        if self.ce_kernel not in CE_KERNELS:
+            raise ProgramError(f"--cross-entropy-kernel {str(self.ce_kernel)[:40]!r}: expected one of "
+                               f"{', '.join(CE_KERNELS)}")
+        if self.framework != "torchtitan":
+            raise ProgramError(f"--cross-entropy-kernel {self.ce_kernel}: flash-attn's CrossEntropyLoss in the model's "
+                               f"code applies to --framework torchtitan only, not --framework {self.framework} "
+                               f"(it runs its own loss)")
+        if self.ce_fusion:
+            raise ProgramError("--cross-entropy-kernel and --cross-entropy-fusion: give one, not both")
 
     @property
     def eager(self) -> bool:
@@ -230,6 +260,8 @@ class Runtime:
             out["compile"] = bool(self.compile)
         if self.ce_fusion:
             out["ce_fusion"] = True
+        if self.ce_kernel is not None:
+            out["ce_kernel"] = self.ce_kernel
         if not self.p2p_overlap:
             out["p2p_overlap"] = False
         if self.pp_scatter_gather:
@@ -318,5 +350,5 @@ def parse_moe_histogram(text: str | None) -> tuple[float, ...] | None:
     return tuple(float(v) for v in obj)
 
 
-__all__ = ["DISPATCHERS", "FRAMEWORKS", "ROUTINGS", "FSDP2", "PRECISIONS", "SKEW_FIGURES", "Runtime", "parse_moe_histogram",
+__all__ = ["CE_KERNELS", "DISPATCHERS", "FRAMEWORKS", "ROUTINGS", "FSDP2", "PRECISIONS", "SKEW_FIGURES", "Runtime", "parse_moe_histogram",
            "parse_moe_skew", "parse_precision", "reduces_each_microstep", "skew_label"]
