@@ -284,6 +284,25 @@ _SCATTER_GATHER_HELP = ("--framework megatron, tp > 1 without sequence paralleli
                         "2021-2022's default; Megatron-Core sends whole tensors)")
 
 
+def _add_compute_arguments(p: argparse.ArgumentParser) -> None:
+    """``--precision``, ``--framework`` and ``--attention-kernel``: what the step computes in and
+    with which framework's conventions and kernels."""
+    p.add_argument("--precision", metavar="fp32|bf16|fp16|fp8",
+                   help="what the GEMMs compute in: fp8 runs the linear layers' GEMMs on the fp8 tensor cores "
+                        "(Transformer Engine / torchao float8: weights in bf16 plus fp8 copies); default the "
+                        "model's dtype")
+    p.add_argument("--framework", metavar="megatron|torchtitan|automodel",
+                   help="whose memory and overlap conventions the prediction follows: megatron (Megatron-LM / "
+                        "NeMo: fp32 main gradients and master weights; default), torchtitan (FSDP2: fp32 "
+                        "sharded parameters and gradients, bf16 compute copies) or automodel (NeMo AutoModel: "
+                        "FSDP2 over bf16 parameters, bf16 Adam moments, the loss on bf16 logits)")
+    p.add_argument("--attention-kernel", metavar="fa2|cudnn|triton",
+                   help="the flash-attention kernel the run's model code calls, where it is not the framework's "
+                        "(megatron: cudnn on Hopper, fa2 on Ampere; torchtitan: fa2): fa2 (FlashAttention-2), "
+                        "cudnn (Transformer Engine's fused attention) or triton (flash-attention's pre-MLIR Triton "
+                        "kernel, MPT's attn_impl: triton; rates on A100 only)")
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help=f"a preset ({', '.join(sorted(PRESETS))}) or a published architecture by name "
@@ -334,20 +353,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                                     "or a JSON file (docs/devices.md); also sets the links of --cost")
     p.add_argument("--nodes-of", dest="nodes_of", metavar="N",
                    help="ranks per node (the device's, 8, by default): inner mesh dims within N ranks use NVLink")
-    p.add_argument("--precision", metavar="fp32|bf16|fp16|fp8",
-                   help="what the GEMMs compute in: fp8 runs the linear layers' GEMMs on the fp8 tensor cores "
-                        "(Transformer Engine / torchao float8: weights in bf16 plus fp8 copies); default the "
-                        "model's dtype")
-    p.add_argument("--framework", metavar="megatron|torchtitan|automodel",
-                   help="whose memory and overlap conventions the prediction follows: megatron (Megatron-LM / "
-                        "NeMo: fp32 main gradients and master weights; default), torchtitan (FSDP2: fp32 "
-                        "sharded parameters and gradients, bf16 compute copies) or automodel (NeMo AutoModel: "
-                        "FSDP2 over bf16 parameters, bf16 Adam moments, the loss on bf16 logits)")
-    p.add_argument("--attention-kernel", metavar="fa2|cudnn|triton",
-                   help="the flash-attention kernel the run's model code calls, where it is not the framework's "
-                        "(megatron: cudnn on Hopper, fa2 on Ampere; torchtitan: fa2): fa2 (FlashAttention-2), "
-                        "cudnn (Transformer Engine's fused attention) or triton (flash-attention's pre-MLIR Triton "
-                        "kernel, MPT's attn_impl: triton; rates on A100 only)")
+    _add_compute_arguments(p)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="--framework torchtitan: the transformer blocks compiled by torch.compile (norms, rotary "
                         "and SwiGLU fused) or, --no-compile (torchtitan's default), run eagerly: every PyTorch op "
