@@ -75,15 +75,30 @@ def foundry_argv(row: dict[str, Any], assume: list[str]) -> list[str]:
                   "(--framework torchtitan conventions: fp32 sharded parameters, bf16 compute copies, gathers "
                   "prefetched one layer ahead); gradients reduce-scattered every micro-batch in both (Composer v0.17.2 "
                   "trainer.py _train_microbatch: no no_sync for a model that is not DDP); not tuned to these rows")
-    assume.append("MPT's triton flash-attention kernel planned as flash attention, low_precision_layernorm as a "
-                  "layer norm, eager PyTorch ops (--no-compile)")
-    argv = foundry_loss(row, assume)
+    assume.append("low_precision_layernorm planned as a layer norm, eager PyTorch ops (--no-compile)")
+    argv = [*foundry_loss(row, assume), *attention_argv(row, assume)]
     if str(par.get("fsdp_mixed_precision")) == "PURE":
         # Composer get_mixed_precision: PURE reduces in the precision's dtype, DEFAULT in fp32
         assume.append("FSDP mixed_precision PURE: gradients reduce-scattered in bf16 (--grad-dtype bf16)")
         return [*argv, "--grad-dtype", "bf16"]
     assume.append("FSDP mixed_precision DEFAULT: gradients reduce-scattered in fp32 (the framework's default)")
     return argv
+
+
+def attention_argv(row: dict[str, Any], assume: list[str]) -> list[str]:
+    """MPT's attention kernel: ``attn_impl: triton`` in every row (``scripts/train/benchmarking/
+    submit_benchmarks.py`` ``--attn_impl`` default ``triton`` at 300cc5c58, b2a43a147 and 5e85bd62d,
+    written into the yaml's ``attn_config``; ``triton-pre-mlir`` an install requirement of all three),
+    llm-foundry's copy of flash-attention's pre-MLIR Triton kernel: ``--attention-kernel triton``
+    where a source measured it (A100: the FlashAttention-2 paper's Figure 4); on H100 none did, so
+    the row keeps the framework's kernel and says so."""
+    if str(row["hardware"]["gpu"]).startswith("A100"):
+        assume.append("MPT attn_impl triton (submit_benchmarks.py default): flash-attention's pre-MLIR Triton kernel "
+                      "(--attention-kernel triton, FlashAttention-2 paper Fig. 4 rates)")
+        return ["--attention-kernel", "triton"]
+    assume.append("MPT attn_impl triton (submit_benchmarks.py default) on H100: no published rates of the pre-MLIR "
+                  "Triton kernel on Hopper, planned as torchtitan's FlashAttention-2 (torch SDPA) rates")
+    return []
 
 
 def _by(results: list[dict[str, Any]], rows: dict[str, dict[str, Any]], key: Callable[[dict[str, Any]], str]

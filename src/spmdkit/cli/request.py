@@ -84,6 +84,7 @@ class Links:
     grad_overlap: bool = True
     tp_allreduce_overlap: bool = True
     wgrad_fusion: bool = True
+    attention_kernel: str | None = None
 
     def runtime(self) -> Runtime:
         """The runtime flags (``--precision``, ``--framework``, ``--tp-comm-overlap``, the MoE,
@@ -99,7 +100,8 @@ class Links:
                        ce_fusion=self.ce_fusion, ce_kernel=self.ce_kernel, p2p_overlap=self.p2p_overlap,
                        pp_scatter_gather=self.pp_scatter_gather,
                        ep_comm_overlap=self.ep_comm_overlap, grad_overlap=self.grad_overlap,
-                       tp_allreduce_overlap=self.tp_allreduce_overlap, wgrad_fusion=self.wgrad_fusion)
+                       tp_allreduce_overlap=self.tp_allreduce_overlap, wgrad_fusion=self.wgrad_fusion,
+                       attention_kernel=None if self.attention_kernel is None else self.attention_kernel.strip().lower())
 
 
 def _state_dtype(text: str | None) -> str | None:
@@ -266,7 +268,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
                     p2p_overlap=ns.p2p_overlap,
                     pp_scatter_gather=ns.pp_scatter_gather,
                     ep_comm_overlap=ns.ep_comm_overlap, grad_overlap=ns.grad_overlap,
-                    tp_allreduce_overlap=ns.tp_allreduce_overlap, wgrad_fusion=ns.wgrad_fusion),
+                    tp_allreduce_overlap=ns.tp_allreduce_overlap, wgrad_fusion=ns.wgrad_fusion,
+                    attention_kernel=ns.attention_kernel),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         global_batch=ns.global_batch, micro_batch=ns.micro_batch,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
@@ -293,6 +296,25 @@ def run_request(ns: argparse.Namespace, argv: list[str]) -> RunRequest:
 _SCATTER_GATHER_HELP = ("--framework megatron, tp > 1 without sequence parallelism: each tp rank sends 1/tp of a "
                         "pipeline activation or gradient and the receivers all-gather it over tp (Megatron-LM "
                         "2021-2022's default; Megatron-Core sends whole tensors)")
+
+
+def _add_compute_arguments(p: argparse.ArgumentParser) -> None:
+    """``--precision``, ``--framework`` and ``--attention-kernel``: what the step computes in and
+    with which framework's conventions and kernels."""
+    p.add_argument("--precision", metavar="fp32|bf16|fp16|fp8",
+                   help="what the GEMMs compute in: fp8 runs the linear layers' GEMMs on the fp8 tensor cores "
+                        "(Transformer Engine / torchao float8: weights in bf16 plus fp8 copies); default the "
+                        "model's dtype")
+    p.add_argument("--framework", metavar="megatron|torchtitan|automodel",
+                   help="whose memory and overlap conventions the prediction follows: megatron (Megatron-LM / "
+                        "NeMo: fp32 main gradients and master weights; default), torchtitan (FSDP2: fp32 "
+                        "sharded parameters and gradients, bf16 compute copies) or automodel (NeMo AutoModel: "
+                        "FSDP2 over bf16 parameters, bf16 Adam moments, the loss on bf16 logits)")
+    p.add_argument("--attention-kernel", metavar="fa2|cudnn|triton",
+                   help="the flash-attention kernel the run's model code calls, where it is not the framework's "
+                        "(megatron: cudnn on Hopper, fa2 on Ampere; torchtitan: fa2): fa2 (FlashAttention-2), "
+                        "cudnn (Transformer Engine's fused attention) or triton (flash-attention's pre-MLIR Triton "
+                        "kernel, MPT's attn_impl: triton; rates on A100 only)")
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -345,15 +367,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                                     "or a JSON file (docs/devices.md); also sets the links of --cost")
     p.add_argument("--nodes-of", dest="nodes_of", metavar="N",
                    help="ranks per node (the device's, 8, by default): inner mesh dims within N ranks use NVLink")
-    p.add_argument("--precision", metavar="fp32|bf16|fp16|fp8",
-                   help="what the GEMMs compute in: fp8 runs the linear layers' GEMMs on the fp8 tensor cores "
-                        "(Transformer Engine / torchao float8: weights in bf16 plus fp8 copies); default the "
-                        "model's dtype")
-    p.add_argument("--framework", metavar="megatron|torchtitan|automodel",
-                   help="whose memory and overlap conventions the prediction follows: megatron (Megatron-LM / "
-                        "NeMo: fp32 main gradients and master weights; default), torchtitan (FSDP2: fp32 "
-                        "sharded parameters and gradients, bf16 compute copies) or automodel (NeMo AutoModel: "
-                        "FSDP2 over bf16 parameters, bf16 Adam moments, the loss on bf16 logits)")
+    _add_compute_arguments(p)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="--framework torchtitan: the transformer blocks compiled by torch.compile (norms, rotary "
                         "and SwiGLU fused) or, --no-compile (torchtitan's default), run eagerly: every PyTorch op "

@@ -341,6 +341,8 @@ def op_cost(plan: Plan, i: int) -> OpCost:
     rt = plan.runtime
     if c.attention is not None and rt.framework == "torchtitan":  # AutoModel runs TE's attention, as Megatron
         c = replace(c, framework=rt.framework)
+    if c.attention is not None and rt.attention_kernel is not None:  # the kernel the run's model code calls
+        c = replace(c, attention_kernel=rt.attention_kernel)
     if rt.fp8 and c.matmul:
         c = _fp8(plan.program, i, lop, c)
     c = fused_wgrad(plan, i, lop, c)

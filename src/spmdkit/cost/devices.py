@@ -212,7 +212,11 @@ class Device:
             got = measured_attention(self.measured, key, backward, seq, hd, causal)
             if got is not None:
                 return got / self.slowdown
-        kernel = self.rates.attention_kernel.get(c.framework or "megatron", "")
+        kernel = c.attention_kernel or self.rates.attention_kernel.get(c.framework or "megatron", "")
+        if c.attention_kernel and kernel not in self.rates.attention:
+            raise ProgramError(f"--attention-kernel {kernel}: no published rates of it on {self.name[:60]} (kernels "
+                               f"with rates there: {', '.join(self.rates.attention)}; a device file's "
+                               f"efficiency.attention may give them)")
         return self.matmul_peak(c.dtype) * attention_efficiency(self.rates, kernel, backward, seq, hd, causal) * \
             self.tensor_clock
 

@@ -41,6 +41,7 @@ from typing import Any
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.measured import Measured
+from spmdkit.program.runtime import ATTENTION_KERNELS
 
 #: the CTA tiles cuBLAS / CUTLASS choose from for tensor-core GEMMs (M x N), NVIDIA's guide §2.3;
 #: each tile's relative efficiency is its operand reuse, ``TM·TN/(TM+TN)`` FLOPs per byte loaded,
@@ -53,10 +54,11 @@ def _reuse(tm: int, tn: int) -> float:
     return min(1.0, (tm * tn / (tm + tn)) / 64.0)
 
 
-#: the training frameworks' attention kernel on a GPU generation (``Runtime.framework`` ->
-#: kernel): Megatron-Core runs Transformer Engine's cuDNN fused attention; torchtitan runs torch's
-#: scaled_dot_product_attention, whose flash backend is FlashAttention-2
-ATTENTION_KERNELS = ("fa2", "cudnn")
+# ATTENTION_KERNELS (spmdkit.program.runtime, --attention-kernel's choices): the kernels a preset
+# may give rates for. The training frameworks' kernel on a GPU generation (``Runtime.framework`` ->
+# kernel, :attr:`Rates.attention_kernel`): Megatron-Core runs Transformer Engine's cuDNN fused
+# attention; torchtitan runs torch's scaled_dot_product_attention, whose flash backend is
+# FlashAttention-2; a run whose model code calls another kernel says so (``--attention-kernel``)
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,9 @@ class Rates:
     ``k0``: the K a bf16 tile's prologue and epilogue cost (fp8: twice it); ``attention``: kernel -> (forward, backward) fraction of the
     bf16 peak at head dim 128 and a long sequence; ``attention_kernel``: framework -> kernel;
     ``s0`` / ``d0``: the sequence and head dim at which attention runs at half its asymptote;
-    ``hbm``: fraction of the HBM bandwidth memory-bound kernels reach; ``launch_s``: the least
+    ``attention_shape``: kernel -> (``s0``, ``d0``, causal share) where a kernel's own published
+    points give them (the causal share: its causal asymptote over its non-causal one; 1 where not
+    given); ``hbm``: fraction of the HBM bandwidth memory-bound kernels reach; ``launch_s``: the least
     time of a kernel."""
 
     sms: int
@@ -97,13 +101,15 @@ class Rates:
     #: the standard deviation of one GPU's tensor-core kernel time over the GPUs of the SKU, a
     #: fraction of the median GPU's (:data:`GPU_SPEED_SD`); 0: every GPU runs at the median
     speed_sd: float = 0.0
+    attention_shape: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"sms": self.sms, "gemm": dict(self.gemm), "clock": self.clock, "sustained": self.sustained,
                 "attention": {k: {"fwd": f, "bwd": b} for k, (f, b) in self.attention.items()},
                 "attention_kernel": dict(self.attention_kernel), "hbm": self.hbm, "launch_us": self.launch_s * 1e6,
                 "k0": self.k0, "s0": self.s0, "d0": self.d0, "power_points": [list(p) for p in self.power_points],
-                "gemm_k": dict(self.gemm_k), "speed_sd": self.speed_sd}
+                "gemm_k": dict(self.gemm_k), "speed_sd": self.speed_sd,
+                "attention_shape": {k: {"s0": a, "d0": b, "causal": c} for k, (a, b, c) in self.attention_shape.items()}}
 
 
 # -- the presets (docs/devices.md, "Achievable rates", gives every source) -------------------------
@@ -125,11 +131,32 @@ GPU_SPEED_SD = 0.08 / (4 * 2 * 0.6744897501960817)
 #: FlashAttention-2 paper (Dao 2023) Fig. 4-6, head dim 128: forward up to ~0.70 of 312, backward
 #: ~0.58. STREAM-like copy on A100 80GB: ~1.75 TB/s of 2.039 (0.86); 40GB: ~1.37 of 1.555 (0.88).
 _A100_GEMM = 267.9 / 312
+#: ``triton``: flash-attention's pre-MLIR Triton kernel (flash_attn/flash_attn_triton.py at
+#: Dao-AILab/flash-attention eff9fe6b, copied into llm-foundry as
+#: llmfoundry/models/layers/flash_attn_triton.py, MPT's ``attn_impl: triton``), the bars
+#: "FlashAttention Triton" of the FlashAttention-2 paper's Figure 4 (Dao 2023, arXiv 2307.08691;
+#: the repo's assets/flash2_a100_fwd_bwd_benchmark.png at 4f285b35): forward + backward on A100
+#: 80GB SXM4, batch 16k / seq, hidden 2048, TFLOP/s (fwd 4·s²·d·h, bwd 2.5x, causal halved) at
+#: seq 512, 1k, 2k, 4k, 8k, 16k:
+TRITON_A100_FIG4 = {(False, 64): (90, 102, 98, 98, 100, 100), (False, 128): (78, 85, 90, 93, 95, 95),
+                    (True, 64): (59, 75, 79, 76, 79, 80), (True, 128): (50, 61, 68, 74, 78, 80)}
+#: fitted to those 24 points alone (least squares in log; benchmarks/fit_triton_attention.py):
+#: the pair's asymptote 0.3194 of 312 non-causal, its causal asymptote 0.804 of it (the Triton
+#: kernel's causal bars level off at 80, its non-causal at 95-100: this kernel does not reach its
+#: non-causal rate on the masked diagonal's blocks), ``S0`` 108 and ``D0`` 0 (its head dim 64 runs
+#: no slower than 128: no head-dim term; rms error 6%). The figure gives the pair only (the
+#: paper's Figures 5 and 6, which split it, are not read here): forward over backward is taken as
+#: the ``fa2`` entry's 0.70 / 0.58, the pair's time ``1/f + 2.5/b`` over 3.5 set to the fit.
+_TRITON_PAIR, _TRITON_FB = 0.3194, 0.70 / 0.58
+_TRITON_BWD = _TRITON_PAIR * (1 / _TRITON_FB + 2.5) / 3.5
+TRITON_A100 = (_TRITON_FB * _TRITON_BWD, _TRITON_BWD)
+TRITON_A100_SHAPE = (108.0, 0.0, 0.804)
 A100_RATES = Rates(108, {"bf16": _A100_GEMM, "fp16": _A100_GEMM, "tf32": _A100_GEMM, "fp32": 0.95},
-                   {"fa2": (0.70, 0.58)}, {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.86,
-                   gemm_k={"bf16": 16384, "fp16": 16384, "tf32": 16384}, speed_sd=GPU_SPEED_SD)
+                   {"fa2": (0.70, 0.58), "triton": TRITON_A100}, {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.86,
+                   gemm_k={"bf16": 16384, "fp16": 16384, "tf32": 16384}, speed_sd=GPU_SPEED_SD,
+                   attention_shape={"triton": TRITON_A100_SHAPE})
 A100_40_RATES = Rates(108, A100_RATES.gemm, A100_RATES.attention, A100_RATES.attention_kernel, hbm=0.88,
-                      gemm_k=A100_RATES.gemm_k, speed_sd=GPU_SPEED_SD)
+                      gemm_k=A100_RATES.gemm_k, speed_sd=GPU_SPEED_SD, attention_shape=A100_RATES.attention_shape)
 #: H100 SXM5: 132 SMs (NVIDIA H100 whitepaper). bf16 ceiling 792.1 / 989 (mamf-finder, CUDA 12.1,
 #: at 6144x2816x17920: four full waves of 128x256 tiles; its torch 2.7 rerun 794.5 at
 #: 2048x2048x13312). fp8 (``float8_e4m3fn``) 1402.6 / 1979 = 0.709 (mamf-finder, torch 2.7.0+cu126,
@@ -268,12 +295,15 @@ def grouped_efficiency(rates: Rates, key: str, rows: tuple[RowGroup, ...], n: in
 def attention_efficiency(rates: Rates, kernel: str, backward: bool, seq: int, head_dim: int, causal: bool) -> float:
     """The fraction of the bf16 peak a flash-attention pass reaches: the kernel's asymptote (head
     dim 128, long sequences) times ``s / (s + S0)`` (causal: half the sequence: the kernel skips
-    the masked blocks) and ``d / (d + D0)`` normalised at d = 128 (capped at 1)."""
+    the masked blocks) and ``d / (d + D0)`` normalised at d = 128 (capped at 1); ``S0``, ``D0``
+    and a causal pass's share of the asymptote the kernel's own (:attr:`Rates.attention_shape`)
+    where given."""
     fwd, bwd = rates.attention.get(kernel) or next(iter(rates.attention.values()))
+    s0, d0, share = rates.attention_shape.get(kernel, (rates.s0, rates.d0, 1.0))
     s = max(seq / 2 if causal else seq, 1.0)
-    ssat = s / (s + rates.s0)
-    dsat = min(1.0, (head_dim / (head_dim + rates.d0)) / (128.0 / (128.0 + rates.d0)))
-    return (bwd if backward else fwd) * ssat * dsat
+    ssat = s / (s + s0)
+    dsat = min(1.0, (head_dim / (head_dim + d0)) / (128.0 / (128.0 + d0))) if d0 > 0 else 1.0
+    return (bwd if backward else fwd) * ssat * dsat * (share if causal else 1.0)
 
 
 def _dist(a: tuple[float, ...], b: tuple[float, ...]) -> float:
@@ -309,7 +339,7 @@ def measured_attention(measured: Measured, key: str, backward: bool, seq: int, h
 
 # -- a device file's "efficiency" object ----------------------------------------------------------
 
-_FIELDS = ("sms", "gemm", "attention", "attention_kernel", "hbm", "launch_us", "k0", "s0", "d0", "clock", "sustained",
+_FIELDS = ("sms", "gemm", "attention", "attention_kernel", "attention_shape", "hbm", "launch_us", "k0", "s0", "d0", "clock", "sustained",
            "power_points", "gemm_k", "speed_sd")
 #: the largest ``speed_sd`` a device file may give (half the median GPU's time)
 MAX_SPEED_SD = 0.5
@@ -328,6 +358,23 @@ def _positive(where: str, v: Any, hi: float) -> float:
     if not ok:
         raise ProgramError(f"--device efficiency.{where}: expected a number from 0 to {hi:g}, got {json.dumps(v)[:40]}")
     return float(v)
+
+
+def _attention_shape(a: Any, base: Rates) -> dict[str, tuple[float, float, float]]:
+    """A device file's ``efficiency.attention_shape``: kernel -> {s0, d0, causal}."""
+    if not isinstance(a, dict):
+        raise ProgramError("--device efficiency.attention_shape: expected an object of kernel -> {s0, d0, causal}")
+    out = dict(base.attention_shape)
+    for key, v in a.items():
+        if key not in ATTENTION_KERNELS:
+            raise ProgramError(f"--device efficiency.attention_shape: unknown kernel {str(key)[:20]!r} (one of "
+                               f"{', '.join(ATTENTION_KERNELS)})")
+        if not isinstance(v, dict) or set(v) != {"s0", "d0", "causal"}:
+            raise ProgramError(f"--device efficiency.attention_shape.{key}: expected an object with s0, d0 and causal")
+        out[key] = (_positive(f"attention_shape.{key}.s0", v["s0"], 1e9),
+                    _positive(f"attention_shape.{key}.d0", v["d0"], 1e9),
+                    _frac(f"attention_shape.{key}.causal", v["causal"]))
+    return out
 
 
 def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
@@ -383,6 +430,8 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
             raise ProgramError(f"--device efficiency.attention_kernel: expected an object of framework -> one of "
                                f"{', '.join(ATTENTION_KERNELS)}")
         got["attention_kernel"] = {**base.attention_kernel, **ak}
+    if "attention_shape" in obj:
+        got["attention_shape"] = _attention_shape(obj["attention_shape"], base)
     if "hbm" in obj:
         got["hbm"] = _frac("hbm", obj["hbm"])
     for key in ("clock", "sustained"):
@@ -415,5 +464,6 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
 
 
 __all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "GPU_SPEED_SD", "H100_RATES", "H200_RATES", "HOPPER_POWER", "HOPPER_SUSTAINED", "K0_SCALE", "RowGroup", "TILES",
+           "TRITON_A100", "TRITON_A100_FIG4", "TRITON_A100_SHAPE",
            "Rates", "attention_efficiency", "clock_at_power", "gemm_efficiency", "measured_attention", "measured_gemm", "parse_rates",
            "expected_tiles", "grouped_efficiency", "grouped_tile_utilisation", "tile_wave_utilisation"]

@@ -116,6 +116,9 @@ class OpCost:
     #: the framework whose attention kernel runs the pass (``Runtime.framework``, set by
     #: :func:`spmdkit.cost.compute.op_cost`; the device's rates map it to a kernel; empty: megatron)
     framework: str = ""
+    #: the kernel that runs the pass where the run names one (``--attention-kernel``); empty: the
+    #: framework's
+    attention_kernel: str = ""
     #: the GEMMs run on the fp8 tensor cores (``--precision fp8``, a linear layer's GEMM)
     fp8: bool = False
     #: bytes of the fp8 casts (and amax) the op adds: memory-bound kernels run before the GEMMs

@@ -151,6 +151,12 @@ def reduces_each_microstep(framework: str, zero: int, pipeline: bool) -> bool:
         return True
     return framework == "torchtitan" and not pipeline
 
+#: the flash-attention kernels the cost model has rates for (:mod:`spmdkit.cost.rates`): ``fa2``
+#: (FlashAttention-2, torch's scaled_dot_product_attention), ``cudnn`` (Transformer Engine's fused
+#: attention), ``triton`` (flash-attention's pre-MLIR Triton kernel, ``flash_attn_triton.py``, as
+#: MPT's ``attn_impl: triton`` runs it)
+ATTENTION_KERNELS = ("fa2", "cudnn", "triton")
+
 #: a program dtype -> the precision it computes in
 _OF_DTYPE = {"float32": "fp32", "float64": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -178,6 +184,10 @@ class Runtime:
     tp_allreduce_overlap: bool = True
     wgrad_fusion: bool = True
     lower_bound: bool = False
+    #: the flash-attention kernel the run's model code calls (``--attention-kernel``, one of
+    #: :data:`spmdkit.cost.rates.ATTENTION_KERNELS`); None: the framework's (the device's
+    #: ``attention_kernel`` map)
+    attention_kernel: str | None = None
 
     def __post_init__(self) -> None:
         if self.moe_dispatcher not in DISPATCHERS:
@@ -192,6 +202,9 @@ class Runtime:
             raise ProgramError(f"--precision {self.precision[:40]!r}: expected one of {', '.join(PRECISIONS)}")
         if self.framework not in FRAMEWORKS:
             raise ProgramError(f"--framework {self.framework[:40]!r}: expected one of {', '.join(FRAMEWORKS)}")
+        if self.attention_kernel is not None and self.attention_kernel not in ATTENTION_KERNELS:
+            raise ProgramError(f"--attention-kernel {str(self.attention_kernel)[:40]!r}: unknown kernel, expected one "
+                               f"of {', '.join(ATTENTION_KERNELS)}")
         _check_skew(self.moe_skew)
         if self.moe_histogram is not None:
             _check_histogram(self.moe_histogram)
@@ -274,6 +287,8 @@ class Runtime:
             out["wgrad_fusion"] = False
         if self.ep_comm_overlap:
             out["ep_comm_overlap"] = True
+        if self.attention_kernel is not None:
+            out["attention_kernel"] = self.attention_kernel
         return out
 
 

@@ -1,0 +1,103 @@
+"""--attention-kernel: the flash-attention kernel a run's model code calls, where it is not the
+framework's, and the ``triton`` kernel's A100 rates (flash-attention's pre-MLIR Triton kernel, MPT's
+``attn_impl: triton``), fitted to the FlashAttention-2 paper's Figure 4 "FlashAttention Triton" bars
+(docs/devices.md, "Achievable rates")."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmdkit.core.errors import ProgramError, SpmdError
+from spmdkit.cost.devices import DEVICES
+from spmdkit.cost.rates import A100_RATES, TRITON_A100_FIG4, attention_efficiency
+from spmdkit.engine.facts import OpCost
+from spmdkit.program.runtime import Runtime
+
+A100, H100 = DEVICES["a100-80gb"], DEVICES["h100"]
+
+
+def _attn(backward: bool, seq: int, hd: int = 128, causal: bool = True, kernel: str = "") -> OpCost:
+    f = 4.0 * 16 * seq * seq * hd * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
+    return OpCost(f, f, 1e6, True, "bfloat16", attention=(backward, seq, hd, causal), attention_kernel=kernel)
+
+
+def _pair_tflops(seq: int, hd: int, causal: bool) -> float:
+    """The model's forward + backward TFLOP/s as Figure 4 counts it: 3.5 forwards' FLOPs over the
+    two passes' time at the fractions of the A100's 312."""
+    f = attention_efficiency(A100_RATES, "triton", False, seq, hd, causal)
+    b = attention_efficiency(A100_RATES, "triton", True, seq, hd, causal)
+    return 312 * 3.5 / (1 / f + 2.5 / b)
+
+
+def test_triton_rate_at_a_published_point() -> None:
+    # Figure 4 (d), causal, head dim 128, seq 2k: the paper's bar 68 TFLOP/s. By hand: the pair's
+    # asymptote 0.3194 of 312, the causal share 0.804, s / (s + S0) with s = 2048 / 2 and S0 = 108
+    # (no head-dim term: D0 = 0): 0.3194 x 0.804 x 1024 / 1132 x 312 = 72.48 TFLOP/s
+    assert TRITON_A100_FIG4[(True, 128)][2] == 68
+    assert _pair_tflops(2048, 128, True) == pytest.approx(0.3194 * 0.804 * 1024 / 1132 * 312, rel=1e-6)
+    assert _pair_tflops(2048, 128, True) == pytest.approx(72.48, abs=0.01)
+    # non-causal at 16k (Figure 4 (b): 95): 0.3194 x 16384 / 16492 x 312 = 99.0
+    assert _pair_tflops(16384, 128, False) == pytest.approx(0.3194 * 16384 / 16492 * 312, rel=1e-6)
+    # the split keeps the fa2 entry's forward / backward ratio
+    f = attention_efficiency(A100_RATES, "triton", False, 8192, 128, True)
+    b = attention_efficiency(A100_RATES, "triton", True, 8192, 128, True)
+    assert f / b == pytest.approx(0.70 / 0.58)
+    # far below FlashAttention-2 at long causal sequences (Figure 4 (d) at 16k: 80 against 189)
+    fa2 = attention_efficiency(A100_RATES, "fa2", True, 16384, 128, True)
+    assert b < 0.5 * fa2
+
+
+def test_the_option_picks_the_kernel_on_the_device() -> None:
+    fwd = A100.attention_rate(_attn(False, 4096, kernel="triton"))
+    want = 312e12 * attention_efficiency(A100_RATES, "triton", False, 4096, 128, True) * A100.tensor_clock
+    assert fwd == pytest.approx(want)
+    assert fwd < 0.5 * A100.attention_rate(_attn(False, 4096))  # the framework's fa2 without the option
+
+
+def test_unknown_kernel_names_the_option_and_the_choices() -> None:
+    with pytest.raises(ProgramError, match=r"--attention-kernel 'xformers': unknown kernel, expected one of "
+                                           r"fa2, cudnn, triton"):
+        Runtime(attention_kernel="xformers")
+    assert issubclass(ProgramError, SpmdError)
+
+
+def test_a_kernel_without_rates_on_the_gpu_is_refused() -> None:
+    # no source measured the pre-MLIR Triton kernel on an H100
+    with pytest.raises(ProgramError, match=r"--attention-kernel triton: no published rates of it on .*H100.*"
+                                           r"kernels with rates there: fa2, cudnn"):
+        H100.attention_rate(_attn(False, 4096, kernel="triton"))
+
+
+def _plan(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from spmdkit.cli import main
+    rc = main(["plan", "--model", "gpt2-small", "--mesh", "dp=2", "--strategy", "dp", "--json", *argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_the_command_line_option(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    rc, out, _ = _plan(["--device", "a100-80gb"], capsys)
+    rc2, out2, _ = _plan(["--device", "a100-80gb", "--attention-kernel", "triton"], capsys)
+    assert rc == rc2 == 0
+    fa2, triton = json.loads(out)["step"], json.loads(out2)["step"]
+    assert triton["compute_total_s"] > fa2["compute_total_s"]  # the Triton kernel is slower than FlashAttention-2
+    rc, _, err = _plan(["--device", "a100-80gb", "--attention-kernel", "xformers"], capsys)
+    assert rc != 0 and "--attention-kernel 'xformers': unknown kernel, expected one of fa2, cudnn, triton" in err
+    rc, _, err = _plan(["--device", "h100", "--attention-kernel", "triton"], capsys)
+    assert rc != 0 and "--attention-kernel triton: no published rates of it on" in err
+
+
+def test_a_device_file_gives_a_kernel_its_shape() -> None:
+    from spmdkit.cost.devices import device_from_json
+    dev = device_from_json({"base": "h100", "efficiency": {"attention": {"triton": {"fwd": 0.3, "bwd": 0.25}},
+                                                            "attention_shape": {"triton": {"s0": 100, "d0": 0,
+                                                                                           "causal": 0.8}}}})
+    assert dev.rates.attention_shape["triton"] == (100.0, 0.0, 0.8)
+    # causal 8k: the kernel sees 4096, 4096 / 4196 of 0.3, times the causal share 0.8
+    assert attention_efficiency(dev.rates, "triton", False, 8192, 64, True) == pytest.approx(0.3 * 4096 / 4196 * 0.8)
+    with pytest.raises(ProgramError, match=r"efficiency\.attention_shape\.triton: expected an object with s0, d0 and "
+                                           r"causal"):
+        device_from_json({"base": "a100", "efficiency": {"attention_shape": {"triton": {"s0": 100}}}})
+    with pytest.raises(ProgramError, match=r"efficiency\.attention_shape: unknown kernel 'flex'"):
+        device_from_json({"base": "a100", "efficiency": {"attention_shape": {"flex": {"s0": 1, "d0": 1, "causal": 1}}}})
