@@ -59,6 +59,7 @@ from spmdkit.models.catalog import config_fields
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity_foundry import FOUNDRY_RUNS, foundry_argv, foundry_section, with_foundry_section
+from fidelity_tables import run_table
 
 #: the published runs (a copy of the team's shared calibration set; benchmarks/data/published-runs.md)
 RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
@@ -933,13 +934,7 @@ def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s
            "own unit (`benchmarks/fidelity.py` says how). `ratio`: predicted speed / measured speed (for a time,",
            "measured / predicted): above 1 the prediction is optimistic.", "", "## Summary", ""]
     out += [f"- {line}" for line in summary_lines(s)]
-    out += ["", "## Runs", "", "| run | unit | measured | predicted | ratio | memory GiB (measured) | fits |",
-            "|---|---|---|---|---|---|---|"]
-    for r in results:
-        mm = f" ({r['memory_measured_gib']})" if r["memory_measured_gib"] else ""
-        fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
-        out.append(f"| {r['id']} | {r['metric']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
-                   f"{r['memory_gib']:.1f}{mm} | {fits} |")
+    out += ["", "## Runs", "", *run_table(results, memory="memory GiB (measured)", measured_memory=True)]
     cp = [r for r in results if r.get("cp", 1) > 1]
     if cp:
         ratios = ", ".join(f"{r['id']} {r['ratio']:.3f}" for r in cp)
@@ -979,11 +974,7 @@ def moe_section(mres: list[dict[str, Any]], muns: dict[str, list[str]], ms: dict
            "embedding and the loss counted as layers; its long-context rows (seq 16k-128k, cp 1-8) give TFLOP/s",
            "per GPU only: Megatron-Core's MoE FLOP count (`megatron_core_moe_flops`) over the predicted step.", ""]
     out += [f"- {line}" for line in summary_lines(ms)[:1] + summary_lines(ms)[3:]]
-    out += ["", "| run | unit | measured | predicted | ratio | memory GiB (measured) | fits |", "|---|---|---|---|---|---|---|"]
-    for r in mres:
-        fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
-        out.append(f"| {r['id']} | {r['metric']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
-                   f"{r['memory_gib']:.1f} | {fits} |")
+    out += ["", *run_table(mres, memory="memory GiB (measured)")]
     out += [f"- unsupported {k}: {', '.join(v)}" for k, v in muns.items()]
     return out
 
@@ -1027,11 +1018,7 @@ def extra_section(heading: str, intro: list[str], res: list[dict[str, Any]], uns
     assumptions, the runs not expressible."""
     out = ["", heading, "", *intro]
     out += [f"- {line}" for line in summary_lines(s)]
-    out += ["", "| run | unit | measured | predicted | ratio | memory GiB | fits |", "|---|---|---|---|---|---|---|"]
-    for r in res:
-        fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
-        out.append(f"| {r['id']} | {r['metric']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
-                   f"{r['memory_gib']:.1f} | {fits} |")
+    out += ["", *run_table(res)]
     out += [""] + [f"- {r['id']}: " + "; ".join(r["assumptions"]) for r in res]
     out += [f"- unsupported {k}: {', '.join(v)}" for k, v in uns.items()]
     return out

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fidelity_tables import run_table
+
 FOUNDRY_RUNS = Path(__file__).resolve().parent / "data" / "foundry-runs.json"
 FOUNDRY_HEADING = "## Out-of-sample check: llm-foundry (MPT), kept out of the calibration"
 
@@ -143,11 +145,7 @@ def foundry_section(results: list[dict[str, Any]], unsupported: dict[str, list[s
                 out.append(_line(f"{title}: {k}", rs))
         worst = sorted(results, key=lambda r: -abs(r["ratio"] - 1))[:10]
         out += ["", "The worst rows: " + ", ".join(f"{r['id']} {r['ratio']:.3f}" for r in worst) + "."]
-    out += ["", "| run | measured | predicted | ratio | memory GiB | fits |", "|---|---|---|---|---|---|"]
-    for r in results:
-        fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
-        out.append(f"| {r['id']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
-                   f"{r['memory_gib']:.1f} | {fits} |")
+    out += ["", *run_table(results, unit=False)]
     out += [f"- unsupported {k}: {', '.join(v)}" for k, v in unsupported.items()]
     return out
 

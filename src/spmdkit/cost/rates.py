@@ -360,17 +360,25 @@ def _positive(where: str, v: Any, hi: float) -> float:
     return float(v)
 
 
-def _attention_shape(a: Any, base: Rates) -> dict[str, tuple[float, float, float]]:
-    """A device file's ``efficiency.attention_shape``: kernel -> {s0, d0, causal}."""
+def _per_kernel(field: str, a: Any, keys: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
+    """The entries of a device file's ``efficiency.<field>``, an object of attention kernel ->
+    an object with exactly ``keys``; ProgramError naming the field, the kernel and what is wrong."""
     if not isinstance(a, dict):
-        raise ProgramError("--device efficiency.attention_shape: expected an object of kernel -> {s0, d0, causal}")
-    out = dict(base.attention_shape)
+        raise ProgramError(f"--device efficiency.{field}: expected an object of kernel -> {{{', '.join(keys)}}}")
     for key, v in a.items():
         if key not in ATTENTION_KERNELS:
-            raise ProgramError(f"--device efficiency.attention_shape: unknown kernel {str(key)[:20]!r} (one of "
+            raise ProgramError(f"--device efficiency.{field}: unknown kernel {str(key)[:20]!r} (one of "
                                f"{', '.join(ATTENTION_KERNELS)})")
-        if not isinstance(v, dict) or set(v) != {"s0", "d0", "causal"}:
-            raise ProgramError(f"--device efficiency.attention_shape.{key}: expected an object with s0, d0 and causal")
+        if not isinstance(v, dict) or set(v) != set(keys):
+            raise ProgramError(f"--device efficiency.{field}.{key}: expected an object with "
+                               f"{', '.join(keys[:-1])} and {keys[-1]}")
+    return list(a.items())
+
+
+def _attention_shape(a: Any, base: Rates) -> dict[str, tuple[float, float, float]]:
+    """A device file's ``efficiency.attention_shape``: kernel -> {s0, d0, causal}."""
+    out = dict(base.attention_shape)
+    for key, v in _per_kernel("attention_shape", a, ("s0", "d0", "causal")):
         out[key] = (_positive(f"attention_shape.{key}.s0", v["s0"], 1e9),
                     _positive(f"attention_shape.{key}.d0", v["d0"], 1e9),
                     _frac(f"attention_shape.{key}.causal", v["causal"]))
@@ -412,16 +420,8 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
             raise ProgramError(f"--device efficiency.gemm_k.{bad[0]}: expected a K of at least 1, got {ks[bad[0]]:g}")
         got["gemm_k"] = {**base.gemm_k, **ks}
     if "attention" in obj:
-        a = obj["attention"]
-        if not isinstance(a, dict):
-            raise ProgramError("--device efficiency.attention: expected an object of kernel -> {fwd, bwd}")
         att = dict(base.attention)
-        for key, v in a.items():
-            if key not in ATTENTION_KERNELS:
-                raise ProgramError(f"--device efficiency.attention: unknown kernel {str(key)[:20]!r} (one of "
-                                   f"{', '.join(ATTENTION_KERNELS)})")
-            if not isinstance(v, dict) or set(v) != {"fwd", "bwd"}:
-                raise ProgramError(f"--device efficiency.attention.{key}: expected an object with fwd and bwd")
+        for key, v in _per_kernel("attention", obj["attention"], ("fwd", "bwd")):
             att[key] = (_frac(f"attention.{key}.fwd", v["fwd"]), _frac(f"attention.{key}.bwd", v["bwd"]))
         got["attention"] = att
     if "attention_kernel" in obj:
