@@ -470,7 +470,7 @@ def _deepspeed_flags(row: dict[str, Any], assume: list[str]) -> list[str]:
     if "DeepSpeed PipelineEngine" in str(par.get("schedule") or ""):
         out += ["--no-p2p-overlap", "--no-grad-overlap"]
         assume.append("DeepSpeed PipelineEngine: blocking sends, the gradients reduced after the last microbatch "
-                      "(schedule.py TrainSchedule: ReduceGrads after the pipeline)")
+                      "(deepspeed.runtime.pipe.schedule.TrainSchedule: ReduceGrads after the pipeline)")
     if par.get("launch_blocking"):
         out.append("--no-async-tp-allreduce")
         assume.append("CUDA_LAUNCH_BLOCKING=1: the tp all-reduce of the input gradient blocks (no collective beside "
