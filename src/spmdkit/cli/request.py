@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.zoo import PRESETS, is_config_text
@@ -260,16 +260,7 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
     return PlanRequest(
         model=_model_args(ns), mesh=mesh, strategy=_strategy(ns), devices=ns.devices, layers=ns.layers,
         batch=ns.batch, seq=ns.seq, annotate=tuple(ns.annotate),
-        links=Links(cost=ns.cost, device=ns.device, nodes_of=ns.nodes_of, precision=ns.precision,
-                    framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
-                    moe_histogram=ns.moe_histogram, grad_dtype=ns.grad_dtype,
-                    optimizer_dtype=ns.optimizer_dtype, compile=ns.compile, moe_dispatcher=ns.moe_dispatcher,
-                    moe_routing=ns.moe_routing, ce_fusion=ns.ce_fusion, ce_kernel=ns.ce_kernel,
-                    p2p_overlap=ns.p2p_overlap,
-                    pp_scatter_gather=ns.pp_scatter_gather,
-                    ep_comm_overlap=ns.ep_comm_overlap, grad_overlap=ns.grad_overlap,
-                    tp_allreduce_overlap=ns.tp_allreduce_overlap, wgrad_fusion=ns.wgrad_fusion,
-                    attention_kernel=ns.attention_kernel),
+        links=Links(**{f.name: getattr(ns, f.name) for f in fields(Links)}),  # each flag's dest is its field
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         global_batch=ns.global_batch, micro_batch=ns.micro_batch,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
