@@ -5,6 +5,7 @@ would type it, and compared in the source's own unit and FLOP definition.
     python benchmarks/fidelity.py [--runs FILE ...] [--only PREFIX[,PREFIX]] [--json OUT] [--show-argv] [--breakdown]
     python benchmarks/fidelity.py --runs benchmarks/data/moe-runs.json   # the MoE runs (expert parallelism)
     python benchmarks/fidelity.py --runs benchmarks/data/outside-runs.json   # out of sample (outside-runs.md)
+    python benchmarks/fidelity.py --runs benchmarks/data/nemo-long-runs.json   # NeMo 24.03's cp table (nemo-long-runs.md)
 
 For each run: the command line (``spmdkit plan --model-config ... --mesh pp=..,dp=..,tp=..
 --strategy ... --device ... --precision ... --recompute ... --json``), the prediction in the
@@ -26,7 +27,8 @@ Units, as the runs file's README says to compare them:
   ``memory_gib_max`` against the predicted peak;
 - the out-of-sample runs (``outside-runs.json``): BLOOM, MT-NLG and Megatron-LM's GPT-3 example by
   their stated iteration time (their TFLOP/s are eq. 3's, reproduced from it); Llama 3's TFLOP/s by
-  Megatron-Core's count (Meta states none).
+  Megatron-Core's count (Meta states none); NeMo 24.03's long-sequence table (``nemo-long-runs.json``) by
+  NeMo-Framework-Launcher 24.03.01's count (:func:`nemo2403_flops`).
 
 The summary: median and 90th percentile of ``|ratio - 1|`` (speed), the share within 5% and 10%,
 memory ratios where measured, runs that trained predicted to fit, and the pairwise order of the
@@ -69,6 +71,9 @@ MOE_RUNS = Path(__file__).resolve().parent / "data" / "moe-runs.json"
 #: published runs of the largest trainings (Llama 3 405B, BLOOM, MT-NLG, OPT) that nothing in the cost
 #: model was calibrated on: an out-of-sample check (benchmarks/data/outside-runs.json, the same schema)
 OUTSIDE_RUNS = Path(__file__).resolve().parent / "data" / "outside-runs.json"
+#: NeMo 24.03.01's long-sequence table (Llama 2 7B fp8 on DGX-H100, 4K to 1024K tokens, cp 1 to 32): an
+#: out-of-sample check of cp (benchmarks/data/nemo-long-runs.json, the same schema; nemo-long-runs.md)
+NEMO_LONG_RUNS = Path(__file__).resolve().parent / "data" / "nemo-long-runs.json"
 GIB = 1024**3
 
 
@@ -560,6 +565,22 @@ def megatron_core_flops(row: dict[str, Any]) -> float:
                                          + v / (2 * l_ * h))
 
 
+def nemo2403_flops(row: dict[str, Any]) -> float:
+    """The model FLOPs of one iteration of a Llama as NVIDIA's NeMo 24.03 tooling counts them:
+    NVIDIA/NeMo-Framework-Launcher tag 24.03.01 (5c7e280a),
+    ``auto_configurator/autoconfig/scripts/compare_throughput.py: calculate_tflops`` for
+    ``model_name in ["gpt3", "llama", ...]``: ``(24 B s h^2 + 4 B s^2 h) x (3 x num_layers) + 6 B s h V``,
+    its "Model TFLOPS / GPU". GPT-3's count: the 24 h^2 of a 4h GeLU MLP and full multi-head
+    attention whatever the model's ffn and kv heads (Llama 2 7B's SwiGLU of 11008: 24.125 h^2), the
+    attention scores non-causal (``4 B s^2 h`` a layer forward), no norms; ``V`` the unpadded
+    vocabulary (the search configs' ``vocab_size``). NeMo 1.23 itself counts no FLOPs; NeMo's later
+    ``nemo/utils/flops_formulas.py: llama2`` (f0bf77bcf7, 2025-01) counts the same up to the MLP
+    width, non-causal until 6251117f4c (2025-08)."""
+    m, gb = row["model"], row["parallelism"]["global_batch"]
+    s, h, l_, v = m["seq_len"], m["hidden"], m["layers"], m["vocab"]
+    return (24.0 * gb * s * h * h + 4.0 * gb * s * s * h) * (3 * l_) + 6.0 * gb * s * h * v
+
+
 def flops_of(row: dict[str, Any]) -> float:
     """A run's FLOPs per iteration as its source counts them: Narayanan's eq. 3 for the sc21 runs and for
     Megatron-DeepSpeed's (BLOOM's and MT-NLG's throughput logs: ``24 x 4 x B s l h^2 (...)``, the
@@ -568,6 +589,8 @@ def flops_of(row: dict[str, Any]) -> float:
     share)."""
     if row["id"].startswith((*MEGATRON_2021, "bloom", "mtnlg")):
         return narayanan_flops(row)
+    if row["id"].startswith("nemo2403"):  # NeMo 24.03's long-sequence table
+        return nemo2403_flops(row)
     return megatron_core_moe_flops(row) if row["model"].get("moe") else megatron_core_flops(row)
 
 
@@ -1007,9 +1030,19 @@ OUTSIDE_INTRO = [
     "(blocking sends, the gradients reduced after the pipeline), BLOOM's `CUDA_LAUNCH_BLOCKING=1` as no collective",
     "beside compute; BLOOM and MT-NLG in Narayanan's eq. 3 (their own count), Llama 3 by Megatron-Core's count",
     "(Meta states none; non-causal attention, as torchtitan's): each row's assumptions below.", ""]
+NEMO_LONG_HEADING = "## Out-of-sample check: NeMo 24.03's long-sequence runs (cp up to 32)"
+NEMO_LONG_INTRO = [
+    "The runs of `benchmarks/data/nemo-long-runs.json`: NVIDIA NeMo's long-sequence table (Llama 2 7B, fp8,",
+    "NeMo 24.03.01 on DGX-H100, 4K to 1024K tokens, cp 1 to 32, 4M tokens a step; NVIDIA/NeMo",
+    "docs/source/performance/performance_long_sequence.md). Nothing in the cost model was calibrated on them",
+    "(`benchmarks/data/nemo-long-runs.md`): out of `band.json`, the summary above and",
+    "`benchmarks/calibrate_sustained.py`. Expressed as NeMo 24.07's cp rows (Transformer Engine's p2p ring,",
+    "`--strategy ...,cp,cp-attention=ring`, fp8, the distributed optimizer); TFLOP/s by NeMo-Framework-Launcher",
+    "24.03.01's count (`nemo2403_flops`: non-causal attention, most of the count at 1M tokens).", ""]
 #: runs files planned apart from the calibration, each a section of docs/fidelity.md after the MoE runs
 #: (runs file, heading, the lines under it): out of band.json and of the summary of the published runs
-EXTRA_RUNS: list[tuple[Path, str, list[str]]] = [(OUTSIDE_RUNS, OUTSIDE_HEADING, OUTSIDE_INTRO)]
+EXTRA_RUNS: list[tuple[Path, str, list[str]]] = [(OUTSIDE_RUNS, OUTSIDE_HEADING, OUTSIDE_INTRO),
+                                                 (NEMO_LONG_RUNS, NEMO_LONG_HEADING, NEMO_LONG_INTRO)]
 
 
 def extra_section(heading: str, intro: list[str], res: list[dict[str, Any]], uns: dict[str, list[str]],

@@ -614,6 +614,14 @@ def test_outside_runs_are_kept_out_of_the_band_and_the_calibration() -> None:
     calibrate = (ROOT / "benchmarks" / "calibrate_sustained.py").read_text()
     assert "OUTSIDE" not in calibrate and "outside-runs" not in calibrate and "fidelity.RUNS" in calibrate
     assert FID.OUTSIDE_RUNS != FID.RUNS and not {r["id"] for r in ROWS} & {r["id"] for r in OUTSIDE}
+    # every out-of-sample runs file (NeMo 24.03's long-sequence table among them): its own section, none of its
+    # runs in the published set (band.json's), its name and constant absent from the calibration
+    paths = [path for path, _, _ in FID.EXTRA_RUNS]
+    assert FID.NEMO_LONG_RUNS in paths and FID.RUNS not in paths and FID.MOE_RUNS not in paths
+    for path in paths:
+        assert path.name not in calibrate and "EXTRA_RUNS" not in calibrate
+        assert not {r["id"] for r in ROWS} & {r["id"] for r in json.loads(path.read_text())}
+    assert "NEMO_LONG" not in calibrate
 
 
 def test_extra_sections_are_split_off_whole() -> None:
@@ -636,3 +644,57 @@ def test_outside_docs_are_current() -> None:
         _, section = FID.split_section(doc, heading)
         assert section == FID.extra_section(heading, intro, res, uns, FID.summarise(res, uns)), \
             "run: python benchmarks/fidelity.py --write"
+
+
+# -- the out-of-sample long-sequence runs (benchmarks/data/nemo-long-runs.json) ------------------------------
+
+NEMO_LONG: list[dict[str, Any]] = json.loads(FID.NEMO_LONG_RUNS.read_text())
+
+
+def _nemo_long(rid: str) -> dict[str, Any]:
+    return next(r for r in NEMO_LONG if r["id"] == rid)
+
+
+def test_nemo_long_runs_are_expressed_as_nemo_2407s_cp_rows() -> None:
+    # NVIDIA/NeMo performance_long_sequence.md, 'LLAMA2-7B (FP8) - H100': 9 rows, 4K to 1024K tokens, every one
+    # expressible; cp > 1 as NeMo 24.07's rows: a cp mesh dim between dp and tp, TE's p2p ring, fp8, the
+    # distributed optimizer, sp with tp; no TP overlap nor fused cross-entropy (24.03.01's llama2_7b.yaml)
+    assert len(NEMO_LONG) == 9 and {r["parallelism"]["cp"] for r in NEMO_LONG} == {1, 2, 4, 8, 16, 32}
+    with tempfile.TemporaryDirectory() as d:
+        cases = {r["id"]: FID.express(r, Path(d)) for r in NEMO_LONG}
+    for rid, case in cases.items():
+        row = _nemo_long(rid)
+        assert case.gpus == row["hardware"]["num_gpus"] and case.metric == "tflops_per_gpu"
+        assert _opt(case.argv, "--precision") == "fp8" and _opt(case.argv, "--framework") == "megatron"
+        assert "--tp-comm-overlap" not in case.argv and "--cross-entropy-fusion" not in case.argv
+        cfg = json.loads(_opt(case.argv, "--model-config"))
+        assert (cfg["seq"], cfg["kv_heads"], cfg["ffn"], cfg["vocab"]) == (row["model"]["seq_len"], 32, 11008, 32000)
+        assert "dropout" not in cfg
+    top = cases["nemo2403_long_llama2_7b_1024k_1024gpu_cp32"].argv
+    assert _opt(top, "--mesh") == "dp=4,cp=32,tp=8"
+    assert _opt(top, "--strategy") == "dp,megatron,sp,cp,zero1,cp-attention=ring"
+    assert _opt(top, "--batch") == "4" and "--grad-accum" not in top  # batch 4 over dp 4: one sequence a rank
+    short = cases["nemo2403_long_llama2_7b_4k_4gpu_cp1"].argv
+    assert _opt(short, "--mesh") == "dp=4,tp=1" and _opt(short, "--strategy") == "dp,zero1"
+    assert (_opt(short, "--batch"), _opt(short, "--grad-accum")) == ("4", "256")  # batch 1024 over dp 4
+    piped = cases["nemo2403_long_llama2_7b_8k_8gpu_cp1"].argv  # the one row with pp = 2: 512 / 4 microbatches
+    assert _opt(piped, "--mesh") == "pp=2,dp=4,tp=1" and _opt(piped, "--microbatches") == "128"
+
+
+def test_nemo2403_flop_count_is_the_launchers() -> None:
+    # NeMo-Framework-Launcher 24.03.01 compare_throughput.py calculate_tflops ('llama'): (24 B s h^2 + 4 B s^2 h)
+    # x 3 l + 6 B s h V. The 4K row by hand: B 1024, s 4096, h 4096, l 32, V 32000
+    row = _nemo_long("nemo2403_long_llama2_7b_4k_4gpu_cp1")
+    b, s, h = 1024, 4096, 4096
+    hand = (24 * b * s * h * h + 4 * b * s * s * h) * 96 + 6 * b * s * h * 32000
+    assert hand == 192_449_719_232_888_832  # ~1.924e17 a step: 4M tokens x 45.9 GFLOP
+    assert FID.nemo2403_flops(row) == pytest.approx(hand, rel=1e-12) and FID.flops_of(row) == FID.nemo2403_flops(row)
+    # Megatron-Core's count differs by Llama 2's MLP width (SwiGLU of 11008: 24.125 h^2 against GPT-3's 24 h^2)
+    assert FID.megatron_core_flops(row) / hand == pytest.approx(1.0044, abs=1e-4)
+    # the attention non-causal: at 1024K, 4 sequences, it is 97.7% of the count (a causal count: 0.512 of it)
+    top = _nemo_long("nemo2403_long_llama2_7b_1024k_1024gpu_cp32")
+    s = 1024 * 1024
+    attn = 4 * 4 * s * s * h * 96
+    assert attn / FID.nemo2403_flops(top) == pytest.approx(0.9766, abs=1e-4)
+    # and the table's 536 TFLOP/s a GPU is a step of 12.9 s on 1,024 GPUs
+    assert FID.nemo2403_flops(top) / (536e12 * 1024) == pytest.approx(12.905, abs=0.001)
