@@ -147,7 +147,7 @@ def row(rel, tag, commit, date, base, note, header, line, d):
         model["seq_len"] = seq
     suffix = f"_{note}" if note and note in ("tokendrop", "dropless") else ""
     rid = f"nemo{relid}_h100_fp8_{key}_{gpus}gpu{suffix}"
-    basis, inf, companions, assume = {}, {}, [], []
+    basis, inf, companions = {}, {}, []
     src_first = first_commit(line)
     source = {"ref": f"NVIDIA-NeMo/Megatron-Bridge {ARCH} @ {HEAD[:10]} ('## {rel} NeMo Container', "
                      f"'### Pre-Training Performance', DGX-H100)" + (f"; first published in {src_first}" if src_first else ""),
@@ -350,10 +350,33 @@ def row(rel, tag, commit, date, base, note, header, line, d):
          "hardware": {"gpu": "H100-SXM 80GB", "num_gpus": gpus, "gpus_per_node": 8, "intra_node": "NVLink/NVSwitch",
                       "inter_node": None, "cluster": "DGX-H100"},
          "parallelism": par, "recompute": recompute, "precision": precision, "measured": meas,
-         "framework": "megatron", "basis": basis, "inferences": inf, "assumptions": assume}
+         "framework": "megatron", "basis": basis, "inferences": inf,
+         "assumptions": _assumptions(rel, tag, key, par, prec_cell)}
     r["source"]["companions"] = companions
     inf["hardware.gpu"] = "'DGX-H100' (8x H100 SXM 80GB, NVLink/NVSwitch)"
     return r
+
+def _assumptions(rel: str, tag: str, key: str, par: dict, prec_cell: str | None) -> list[str]:
+    """What the planner runs differently from the row's recipe, or what the row infers (fidelity.md lists them)."""
+    out = [f"the recipe of Megatron-Bridge {tag} (the tag cut before the {rel} table; the container's version of "
+           "it not stated)",
+           "FP8 per-tensor current scaling planned as --precision fp8, whose casts take the amax in the cast kernel "
+           "(delayed scaling's; Transformer Engine's current scaling runs an amax pass before the cast)"]
+    if prec_cell is None:
+        out.append("FP8 (25.09's table states no precision; its layouts are the yaml's fp8 entries)")
+    if key == "qwen3_30b_a3b" and tag == "v0.3.1":
+        out.append("v0.3.0's H100 preset (DeepEP, a2a overlap): v0.3.1's (EP 16, HybridEP) is not the table's layout")
+    if key == "deepseek_v3":
+        out.append("DeepEP (inferred: 25.09's setup_experiment.py enables it on H100); selective recompute of "
+                   "Megatron-Core's default core_attn")
+    if par.get("routing") == "topk":
+        out.append("forced load balancing (random router logits) planned as --moe-routing topk's expected load, as "
+                   "moe-runs.json's Megatron rows")
+    elif par.get("routing") == "balanced":
+        out.append("token drop at capacity factor 1.0, padded to capacity: every expert its capacity "
+                   "(--moe-routing balanced)")
+    return out
+
 
 if __name__ == "__main__":
     MB = sys.argv[1]
