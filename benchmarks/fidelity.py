@@ -74,6 +74,12 @@ OUTSIDE_RUNS = Path(__file__).resolve().parent / "data" / "outside-runs.json"
 #: NeMo 24.03.01's long-sequence table (Llama 2 7B fp8 on DGX-H100, 4K to 1024K tokens, cp 1 to 32): an
 #: out-of-sample check of cp (benchmarks/data/nemo-long-runs.json, the same schema; nemo-long-runs.md)
 NEMO_LONG_RUNS = Path(__file__).resolve().parent / "data" / "nemo-long-runs.json"
+
+#: NeMo's later performance summaries (25.09 to 26.06, Megatron-Bridge's archive): the DGX-H100 pre-training
+#: rows of the catalog's models, an out-of-sample check (benchmarks/data/nemo-runs.json, the same schema)
+NEMO_RUNS = Path(__file__).resolve().parent / "data" / "nemo-runs.json"
+#: the MoE token dispatchers the planner models (``--moe-dispatcher``); another (HybridEP) is unsupported
+DISPATCHERS = ("alltoall", "deepep")
 GIB = 1024**3
 
 
@@ -206,6 +212,10 @@ def _recompute(row: dict[str, Any], assume: list[str]) -> str:
         return "selective"
     if rc in ("full", "none"):
         return rc
+    if re.fullmatch(r"full:\d+", rc):  # Megatron's --recompute-method block --recompute-num-layers K
+        if int(row["parallelism"]["pp"]) == 1:
+            raise Unsupported("full recomputation of K layers without a pipeline (--recompute full:K needs pp)")
+        return rc
     raise Unsupported(f"recompute {rc!r}")
 
 
@@ -290,7 +300,8 @@ def _nemo_states(row: dict[str, Any], assume: list[str]) -> list[str]:
     if not row["id"].startswith("nemo"):
         return []
     out = ["--grad-dtype", "bf16"]
-    assume.append("gradients in bf16 (not stated; NVIDIA's fp8 performance recipes: optim.grad_sync_dtype bf16)")
+    if row["parallelism"].get("grad_reduce_in_fp32") is not False:  # nemo-runs.json's recipes state it
+        assume.append("gradients in bf16 (not stated; NVIDIA's fp8 performance recipes: optim.grad_sync_dtype bf16)")
     if "Nemotron-4 340B" in str(row["model"].get("name")):
         out += ["--optimizer-dtype", "bf16"]
         assume.append("Adam moments in bf16 (not stated; NeMo 24.07's nemotron_340b.yaml: optim.dtype bf16)")
@@ -378,6 +389,8 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             "--recompute", recompute, "--json"]
     argv += _nemo_states(row, assume) + foundry_argv(row, assume)
     if par.get("dispatcher"):  # MoE: the dispatcher and the routing the run used (moe-runs.json)
+        if par["dispatcher"] not in DISPATCHERS:
+            raise Unsupported(f"MoE dispatcher {par['dispatcher']}")
         argv += ["--moe-dispatcher", str(par["dispatcher"])]
     if par.get("routing"):
         argv += ["--moe-routing", str(par["routing"])]
@@ -388,7 +401,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     overlaps = str(par.get("overlaps") or "")
     if "--tp-comm-overlap" in overlaps or par.get("async_tp") or (nemo is not None and nemo[0] and tp > 1):
         argv.append("--tp-comm-overlap")
-    if nemo is not None and nemo[2]:
+    if (nemo is not None and nemo[2]) or par.get("cross_entropy_fusion"):  # the row's recipe (nemo-runs.json)
         argv.append("--cross-entropy-fusion")
     if par.get("ep_comm_overlap"):  # Megatron-Core's --overlap-moe-expert-parallel-comm (1F1B A2A overlap)
         argv.append("--ep-comm-overlap")
@@ -1039,10 +1052,21 @@ NEMO_LONG_INTRO = [
     "`benchmarks/calibrate_sustained.py`. Expressed as NeMo 24.07's cp rows (Transformer Engine's p2p ring,",
     "`--strategy ...,cp,cp-attention=ring`, fp8, the distributed optimizer); TFLOP/s by NeMo-Framework-Launcher",
     "24.03.01's count (`nemo2403_flops`: non-causal attention, most of the count at 1M tokens).", ""]
+NEMO_HEADING = "## Out-of-sample check: NeMo's later performance summaries (25.09 to 26.06)"
+NEMO_INTRO = [
+    "The runs of `benchmarks/data/nemo-runs.json`: every DGX-H100 pre-training row of NeMo 25.09 to 26.06's",
+    "performance summaries (NVIDIA-NeMo/Megatron-Bridge `docs/performance-summary-archive.md`) whose model the",
+    "catalog has (Llama 3 8B / 70B, Llama 3.1 405B, DeepSeek-V3, Qwen3-30B-A3B, Qwen3-235B-A22B), each with its",
+    "recipe at the release's Megatron-Bridge tag (`benchmarks/data/nemo-runs.md`). Expressed as the NeMo 24.07",
+    "rows are (the distributed optimizer, bf16 gradients, sequence parallelism with tp; the recipe's TP overlap",
+    "and fused cross-entropy; the MoE rows' dispatcher, a2a overlap and forced balance or token drop as",
+    "moe-runs.json's are); compared in tokens/s/GPU. Nothing in the cost model was calibrated on them: they",
+    "are kept out of `band.json`, the summary above and `benchmarks/calibrate_sustained.py`.", ""]
 #: runs files planned apart from the calibration, each a section of docs/fidelity.md after the MoE runs
 #: (runs file, heading, the lines under it): out of band.json and of the summary of the published runs
 EXTRA_RUNS: list[tuple[Path, str, list[str]]] = [(OUTSIDE_RUNS, OUTSIDE_HEADING, OUTSIDE_INTRO),
-                                                 (NEMO_LONG_RUNS, NEMO_LONG_HEADING, NEMO_LONG_INTRO)]
+                                                 (NEMO_LONG_RUNS, NEMO_LONG_HEADING, NEMO_LONG_INTRO),
+                                                 (NEMO_RUNS, NEMO_HEADING, NEMO_INTRO)]
 
 
 def extra_section(heading: str, intro: list[str], res: list[dict[str, Any]], uns: dict[str, list[str]],

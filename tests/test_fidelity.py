@@ -698,3 +698,85 @@ def test_nemo2403_flop_count_is_the_launchers() -> None:
     assert attn / FID.nemo2403_flops(top) == pytest.approx(0.9766, abs=1e-4)
     # and the table's 536 TFLOP/s a GPU is a step of 12.9 s on 1,024 GPUs
     assert FID.nemo2403_flops(top) / (536e12 * 1024) == pytest.approx(12.905, abs=0.001)
+
+# -- the out-of-sample runs of NeMo's later performance summaries (benchmarks/data/nemo-runs.json) --------
+
+NEMO: dict[str, dict[str, Any]] = {r["id"]: r for r in json.loads(FID.NEMO_RUNS.read_text())}
+
+
+def test_nemo_runs_are_expressed_or_named_unsupported() -> None:
+    reasons: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        for row in NEMO.values():
+            try:
+                case = FID.express(row, Path(d))
+            except FID.Unsupported as exc:
+                reasons.setdefault(str(exc), []).append(row["id"])
+                continue
+            assert case.argv[0] == "plan" and case.gpus == row["hardware"]["num_gpus"], row["id"]
+            assert case.metric == "tokens_per_sec_per_gpu" and "--cross-entropy-fusion" in case.argv
+            assert _opt(case.argv, "--grad-dtype") == "bf16" and _opt(case.argv, "--precision") == "fp8"
+    # Qwen3-30B-A3B's recipe from Megatron-Bridge v0.4.0 on: HybridEP; Llama 3 8B of 25.11: the first 5 of 32
+    # layers recomputed (recompute_method block) without a pipeline
+    assert reasons == {
+        "MoE dispatcher hybridep": ["nemo2606_h100_fp8_qwen3_30b_a3b_16gpu", "nemo260401_h100_fp8_qwen3_30b_a3b_16gpu",
+                                    "nemo2604_h100_fp8_qwen3_30b_a3b_16gpu"],
+        "full recomputation of K layers without a pipeline (--recompute full:K needs pp)":
+            ["nemo2511_h100_fp8_llama3_8b_8gpu"]}
+    assert len(NEMO) == 27 and sum(1 for r in NEMO.values() if r["model"]["moe"]) == 14
+    assert {r["id"].split("_")[0] for r in NEMO.values()} == {
+        "nemo2509", "nemo2511", "nemo2602", "nemo260201", "nemo2604", "nemo260401", "nemo2606"}
+
+
+def test_nemo_llama3_70b_row_is_expressed_as_its_recipe_ran_it() -> None:
+    # 25.11's | LLAMA3_70B | 64 | FP8-CS | 128 | 1 | 8192 | 0 | 4 | 8 | 1 | 5 | 1 | 64 | 1602 | 719 |, with
+    # Megatron-Bridge v0.2.0's LLAMA3_70B_H100_FP8_CS_BASE_CONFIG (TP 4, PP 8, VP 5) and llama3_70b_pretrain_config:
+    # DP = 64 / (4 x 8) = 2, 128 / (2 x 1) = 64 microbatches, 80 layers / (8 x 5) = 2 a chunk (no --stages);
+    # CommOverlapConfig(tp_comm_overlap=True), the distributed optimizer, grad_reduce_in_fp32 False,
+    # cross_entropy_loss_fusion True, sequence parallel with TP
+    row = NEMO["nemo2511_h100_fp8_llama3_70b_64gpu"]
+    assert row["source"]["source_row"] == "| LLAMA3_70B | 64 | FP8-CS | 128 | 1 | 8192 | 0 | 4 | 8 | 1 | 5 | 1 | 64 | 1602 | 719 |"
+    with tempfile.TemporaryDirectory() as d:
+        case = FID.express(row, Path(d))
+    argv = case.argv
+    assert _opt(argv, "--mesh") == "pp=8,dp=2,tp=4" and _opt(argv, "--strategy") == "dp,megatron,sp,zero1"
+    assert _opt(argv, "--batch") == "128" and _opt(argv, "--microbatches") == "64" and "--stages" not in argv
+    assert _opt(argv, "--schedule") == "interleaved" and _opt(argv, "--virtual-stages") == "5"
+    assert {"--tp-comm-overlap", "--cross-entropy-fusion"} <= set(argv) and _opt(argv, "--recompute") == "none"
+    assert _opt(argv, "--precision") == "fp8" and _opt(argv, "--grad-dtype") == "bf16"
+    cfg = json.loads(_opt(argv, "--model-config"))
+    assert (cfg["layers"], cfg["hidden"], cfg["ffn"], cfg["heads"], cfg["kv_heads"], cfg["vocab"], cfg["seq"]) == \
+        (80, 8192, 28672, 64, 8, 128256, 8192)
+    assert "dropout" not in cfg and case.measured == 1602
+    # the bf16 gradients are the recipe's (stated), not an assumption
+    assert not any("gradients in bf16" in a for a in case.assumptions)
+
+
+def test_nemo_qwen3_235b_row_is_expressed_as_its_recipe_ran_it() -> None:
+    # 25.11's Qwen3-235B-A22B: TP 2, PP 8, VP 4, EP 32 on 256 GPUs; ETP = 1 (BASE_QWEN3_235B_A22B_CONFIG): the
+    # expert group tp x ep = 2 x 16, EDP 256 / (8 x 32) = 1; GBS 2048 over 16 attention-DP ranks: 128
+    # microbatches; alltoall with moe_a2a_overlap, forced balance (dropless), tp_comm_overlap False;
+    # (94 + 2) / 32 = 3 a chunk with the embedding and the loss counted
+    with tempfile.TemporaryDirectory() as d:
+        case = FID.express(NEMO["nemo2511_h100_fp8_qwen3_235b_a22b_256gpu"], Path(d))
+    argv = case.argv
+    assert _opt(argv, "--mesh") == "pp=8,dp=1,ep=16,tp=2"
+    assert _opt(argv, "--strategy") == "dp,ep,megatron,sp,zero1,etp=1"
+    assert _opt(argv, "--batch") == "2048" and _opt(argv, "--microbatches") == "128"
+    assert _opt(argv, "--moe-dispatcher") == "alltoall" and _opt(argv, "--moe-routing") == "topk"
+    assert "--ep-comm-overlap" in argv and "--tp-comm-overlap" not in argv
+    assert _opt(argv, "--stages") == ",".join(["2"] + ["3"] * 30 + ["2"]) and _opt(argv, "--model") == "qwen3-235b-a22b"
+
+
+def test_nemo_runs_are_kept_out_of_the_band_and_the_calibration() -> None:
+    calibrate = (ROOT / "benchmarks" / "calibrate_sustained.py").read_text()
+    assert "NEMO_RUNS" not in calibrate and "nemo-runs" not in calibrate and "fidelity.RUNS" in calibrate
+    assert FID.NEMO_RUNS not in (FID.RUNS, FID.MOE_RUNS) and FID.NEMO_RUNS in [p for p, _, _ in FID.EXTRA_RUNS]
+    assert FID.band_json([])["runs_file"] == "benchmarks/data/published-runs.json"
+    assert not set(NEMO) & {r["id"] for r in ROWS}
+    # no row repeats one of the shared NeMo 24.07 rows (a later release, another figure)
+    shared = {(r["model"]["layers"], r["parallelism"]["tp"], r["parallelism"]["pp"], r["parallelism"]["global_batch"],
+               r["measured"]["tokens_per_sec_per_gpu"]) for r in ROWS if r["id"].startswith("nemo2407")}
+    assert not shared & {(r["model"]["layers"], r["parallelism"]["tp"], r["parallelism"]["pp"],
+                          r["parallelism"]["global_batch"], r["measured"]["tokens_per_sec_per_gpu"])
+                         for r in NEMO.values()}
