@@ -67,6 +67,18 @@ def test_warmup_and_in_flight(group: int, r: int, warm: int, flight: float) -> N
     assert held_counts(order)[0] == flight * 2
 
 
+def test_group_with_the_all_to_all_overlap() -> None:
+    """--ep-comm-overlap: get_pp_rank_microbatches adds its one warm-up forward to the group's count
+    ((4 - 0 - 1) 2 + (2 - 1) 8 + 1 = 15 on rank 0 of p=4, v=2, m=16, N=8), and the merged steady
+    state pairs the 32 - 15 = 17 forwards after it with the first 17 backwards."""
+    assert interleaved_warmup(4, 2, 16, 0, 1, group=8) == 15
+    assert in_flight("interleaved", 4, 2, 16, 0, 1, group=8) == 8.0
+    n = 8
+    run = run_schedule("interleaved", 4, 2, 16, [1.0] * n, [2.0] * n, a2a=[(0.25, 0.5)] * n, group=8)
+    # each merged step hides min(a_F, B - a_B) + min(a_B, F - a_F) = 0.25 + 0.5 of the all-to-alls
+    assert run.hidden_s[0] == pytest.approx(17 * 0.75)
+
+
 def test_larger_group_hides_the_sends() -> None:
     """Equal stages, free sends: the bubble is (p-1)/(v m) whatever N; with sends, a group of N > p
     lets the first rank run N - p more forwards before it waits on the last rank's output
