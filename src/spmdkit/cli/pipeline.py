@@ -1,7 +1,7 @@
 """``spmdkit plan`` with a pipeline: a ``pp`` mesh dim or the pipeline flags.
 
 The command that plans, estimates and prints a pipeline (its flags, ``--microbatches``,
-``--schedule``, ``--virtual-stages`` and ``--stages``, are :mod:`spmdkit.cli.request`'s); the model of the pipeline itself
+``--schedule``, ``--virtual-stages``, ``--stages`` and ``--microbatch-group``, are :mod:`spmdkit.cli.request`'s); the model of the pipeline itself
 (stages, schedules, bubble, sends, memory) is the library module :mod:`spmdkit.planner.pipeline`.
 """
 
@@ -68,7 +68,7 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     parse_cost(req.links.cost, full)  # a bad --cost is named before planning
     p = req.pipeline
     spec_args = {"microbatches": p.microbatches, "schedule": p.schedule, "virtual": p.virtual_stages,
-                 "stages": p.stages}
+                 "stages": p.stages, "group": p.microbatch_group}
     spec = parse_spec(sub_mesh_text(full)[0], **spec_args)
     recompute = check_recompute(req.recompute or "none", pipeline=True)
     source = _source(req, spec.microbatches)

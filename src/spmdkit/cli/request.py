@@ -139,17 +139,20 @@ class SearchArgs:
 
 @dataclass(frozen=True)
 class PipelineArgs:
-    """A pipeline's flags: ``--microbatches``, ``--schedule``, ``--virtual-stages``, ``--stages``."""
+    """A pipeline's flags: ``--microbatches``, ``--schedule``, ``--virtual-stages``, ``--stages``,
+    ``--microbatch-group``."""
 
     microbatches: str | None = None
     schedule: str | None = None
     virtual_stages: str | None = None
     stages: str | None = None
+    microbatch_group: str | None = None
 
     def given(self) -> list[str]:
         """The flags given, in this order."""
         return [f for f, v in (("--microbatches", self.microbatches), ("--schedule", self.schedule),
-                               ("--virtual-stages", self.virtual_stages), ("--stages", self.stages))
+                               ("--virtual-stages", self.virtual_stages), ("--stages", self.stages),
+                               ("--microbatch-group", self.microbatch_group))
                 if v is not None]
 
 
@@ -265,7 +268,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
         global_batch=ns.global_batch, micro_batch=ns.micro_batch,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
         pipeline=PipelineArgs(microbatches=ns.microbatches, schedule=ns.schedule,
-                              virtual_stages=ns.virtual_stages, stages=ns.stages),
+                              virtual_stages=ns.virtual_stages, stages=ns.stages,
+                              microbatch_group=ns.microbatch_group),
         outputs=Outputs(json=ns.json, wide=ns.wide, html=ns.html,
                         export=None if ns.export is None else (ns.export[0], ns.export[1]),
                         recipe=None if ns.export_recipe is None else (ns.export_recipe[0], ns.export_recipe[1])),
@@ -447,7 +451,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "configurations over it")
     p.add_argument("--explain", action="store_true",
                    help="--auto: per layer, what was chosen and what the best plan choosing otherwise there costs")
-    add_pipeline_arguments(p)  # a pp mesh dim: --microbatches, --schedule, --virtual-stages, --stages
+    add_pipeline_arguments(p)  # a pp mesh dim: --microbatches, --schedule, --virtual-stages, --stages, ...
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
@@ -457,6 +461,11 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
                                       "the weight gradients deferred into the bubble, Qi et al. 2023)")
     p.add_argument("--virtual-stages", dest="virtual_stages", metavar="V",
                    help="interleaved 1F1B: model chunks per device (default 2 with --schedule interleaved)")
+    p.add_argument("--microbatch-group", dest="microbatch_group", metavar="N",
+                   help="interleaved 1F1B: microbatches a model chunk runs in a row before the next chunk's (Megatron-"
+                        "Core's --microbatch-group-size-per-virtual-pipeline-stage; default pp, depth-first; up to "
+                        "--microbatches, breadth-first): a larger N holds more microbatches in flight and hides the "
+                        "sends better")
     p.add_argument("--stages", metavar="N,N,...|auto",
                    help="layers per (virtual) stage, in order, e.g. 20,20,20,20 (default: an even split); the first "
                         "and the last may be 0 (Megatron-Core's embedding-only / loss-only stage: 0,20,20,0); auto: "

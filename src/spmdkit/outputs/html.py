@@ -560,6 +560,7 @@ def _step_section(plan: Plan, est: Any, assumed: str | None, pipe: Any) -> str:
         s = pipe.spec
         out += (f'<h3>Pipeline schedule</h3><p>{_e(s.schedule)}, pp={s.pp}'
                 + (f", {s.virtual} virtual stages per rank" if s.virtual > 1 else "")
+                + (f", microbatch groups of {s.group}" if s.group else "")
                 + f', {s.microbatches} microbatches: {fmt_time(pipe.run.pipeline_s)}, bubble '
                 f'{100 * pipe.run.bubble_fraction:.1f}% (F: forward, B: backward, by microbatch; the timeline above '
                 f'is one microbatch of the stages\' program).</p>{_pipeline_svg(pipe)}')

@@ -18,7 +18,8 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
     s = est.spec
     p, v, m = s.pp, s.virtual, s.microbatches
     out.write(f"\nPipeline: pp={p}, schedule {s.schedule}"
-              + (f" ({v} virtual stages per device)" if v > 1 else "")
+              + (f" ({v} virtual stages per device" + (f", microbatch groups of {s.group}" if s.group else "") + ")"
+                 if v > 1 else "")
               + f", {m} microbatches; layers per stage {','.join(map(str, est.counts))}; "
               f"pp link {est.pp_link[0] * 1e6:g} us + {1 / est.pp_link[1] / 1e9 if est.pp_link[1] else 0:g} GB/s\n")
     rows = []

@@ -9,7 +9,8 @@ predicted step, and finds the least number of microbatches (the same micro-batch
 data-parallel degree: a larger global batch) whose bubble is under it, by running the same event
 simulation (:meth:`spmdkit.planner.schedules.ScheduleInputs.run`) on the same stages' times and sends,
 the step then made as the estimate makes it (each rank's gradient reductions after its last
-backward, its optimizer). Interleaved 1F1B needs a multiple of ``p`` microbatches. None where the
+backward, its optimizer). Interleaved 1F1B needs a multiple of ``p`` microbatches (with
+``--microbatch-group N``, counts ``N`` apart: each leaves the last group the plan's). None where the
 bubble is under the threshold, or more microbatches (up to :data:`MOST_TIMES` as many) do not bring
 it under.
 """
@@ -59,7 +60,7 @@ def _at(plan: Plan, est: PipelineEstimate, m: int) -> tuple[float, float, Schedu
     """(the bubble's share of the step, the step) of ``est``'s pipeline at ``m`` microbatches."""
     s = est.spec
     assert est.inputs is not None
-    run = est.inputs.run(s.schedule, s.pp, s.virtual, m)
+    run = est.inputs.run(s.schedule, s.pp, s.virtual, m, s.group)
     step = _step_times(plan, replace(s, microbatches=m), est.stages, run, est.tied_s)[1]
     return (run.bubble_s / step if step > 0 else 0.0), step, run
 
@@ -74,7 +75,7 @@ def bubble_hint(plan: Plan, est: PipelineEstimate, threshold: float = BUBBLE_SHA
     share = est.run.bubble_s / est.step_overlap_s
     if share <= threshold:
         return None
-    step = s.pp if s.virtual > 1 else 1
+    step = (s.group or s.pp) if s.virtual > 1 else 1
     hi = (m * MOST_TIMES) // step * step
     top = _at(plan, est, hi)
     if top[0] > threshold:

@@ -207,10 +207,11 @@ class _Stages:
     """Time and memory of virtual stage ``k`` over units [a, b) (the embedding, unit 0, with
     stage 0; the head, unit L+1, with the last)."""
 
-    def __init__(self, u: UnitCosts, p: int, v: int, m: int, schedule: str, pre: _Prefix | None = None) -> None:
+    def __init__(self, u: UnitCosts, p: int, v: int, m: int, schedule: str, pre: _Prefix | None = None,
+                 group: int | None = None) -> None:
         self.u, self.p, self.v, self.n = u, p, v, p * v
         self.pre = pre or _Prefix(u)
-        self.flight = [in_flight(schedule, p, v, m, r) for r in range(p)]
+        self.flight = [in_flight(schedule, p, v, m, r, group=group) for r in range(p)]
         self.pending = [weight_pending(schedule, p, m, r) for r in range(p)]
 
     def span(self, k: int, a: int, b: int) -> tuple[int, int]:
@@ -252,9 +253,10 @@ def _pack(st: _Stages, L: int, bound: float, cap: float | None, tol: float) -> l
 
 
 def stage_loads(u: UnitCosts, counts: Sequence[int], p: int, v: int = 1, m: int = 1,
-                schedule: str = "1f1b") -> tuple[list[float], list[float]]:
-    """(each virtual stage's time, each pipeline rank's bytes) of the split ``counts``."""
-    st = _Stages(u, p, v, m, schedule)
+                schedule: str = "1f1b", group: int | None = None) -> tuple[list[float], list[float]]:
+    """(each virtual stage's time, each pipeline rank's bytes) of the split ``counts`` (``group``:
+    the interleaved schedule's microbatch group, None: ``p``)."""
+    st = _Stages(u, p, v, m, schedule, group=group)
     times, ranks = [], [0.0] * p
     a = 1
     for k, c in enumerate(counts):
@@ -265,13 +267,13 @@ def stage_loads(u: UnitCosts, counts: Sequence[int], p: int, v: int = 1, m: int 
 
 
 def simulate_split(u: UnitCosts, counts: Sequence[int], p: int, v: int = 1, m: int = 1,
-                   schedule: str = "1f1b") -> float:
+                   schedule: str = "1f1b", group: int | None = None) -> float:
     """The pipeline's time for ``m`` microbatches (:func:`spmdkit.planner.schedules.run_schedule`)
     over the stage times of the split ``counts`` (ZB-H1: its B and W apart), each boundary's
     send ``u.send_s``."""
     pre = _Prefix(u)
     fw, bw, wt = _cum(u.forward_s), _cum(u.backward_s), _cum(u._arr("weight_s"))
-    st = _Stages(u, p, v, m, schedule, pre)
+    st = _Stages(u, p, v, m, schedule, pre, group)
     f, b, w = [], [], []
     a = 1
     for k, c in enumerate(counts):
@@ -282,11 +284,12 @@ def simulate_split(u: UnitCosts, counts: Sequence[int], p: int, v: int = 1, m: i
         a += c
     n = len(counts)
     sends = [u.send_s if k < n - 1 else 0.0 for k in range(n)]
-    return run_schedule(schedule, p, v, m, f, b, sends, sends, weight=w if schedule == "zb-h1" else None).pipeline_s
+    return run_schedule(schedule, p, v, m, f, b, sends, sends, weight=w if schedule == "zb-h1" else None,
+                        group=group).pipeline_s
 
 
 def partition(u: UnitCosts, p: int, v: int = 1, m: int = 1, schedule: str = "1f1b",
-              capacity: float | None = None, refine: bool = True) -> Partition:
+              capacity: float | None = None, refine: bool = True, group: int | None = None) -> Partition:
     """The layers of ``u`` in ``p * v`` contiguous virtual stages of at least one layer each,
     the slowest stage as fast as it can be with every rank's bytes within ``capacity`` (None:
     no memory bound); where no split fits, the fastest split regardless, ``fits`` False.
@@ -295,11 +298,12 @@ def partition(u: UnitCosts, p: int, v: int = 1, m: int = 1, schedule: str = "1f1
     that split and from the even split, each improved by moving one layer across a boundary
     while the simulated pipeline gets faster and the ranks fit: with few microbatches the
     pipeline's fill and drain weigh as much as its slowest stage (heavier stages first fill
-    1F1B's warm-up sooner), with many the min-max split is already the fastest."""
+    1F1B's warm-up sooner), with many the min-max split is already the fastest. ``group``: the
+    interleaved schedule's microbatch group (None: ``p``)."""
     L, n = u.layers, p * v
     if not 1 <= n <= L:
         raise ProgramError(f"--stages auto: {L} layers cannot fill {n} stages (each needs at least one layer)")
-    st = _Stages(u, p, v, m, schedule)
+    st = _Stages(u, p, v, m, schedule, group=group)
     cap = capacity / v if capacity is not None else None
     total = st.pre.t[-1] + 2 * n * u.send_s
     tol = 1e-9 * (total + 1e-300)
@@ -322,14 +326,14 @@ def partition(u: UnitCosts, p: int, v: int = 1, m: int = 1, schedule: str = "1f1
     min_max = tuple(best)
     sim = 0.0
     if refine and p * v > 1:
-        best, sim = _refine(u, p, v, m, schedule, list(best), capacity if fits else None)
-    times, ranks = stage_loads(u, best, p, v, m, schedule)
+        best, sim = _refine(u, p, v, m, schedule, list(best), capacity if fits else None, group)
+    times, ranks = stage_loads(u, best, p, v, m, schedule, group)
     ok = fits and (capacity is None or max(ranks) <= capacity * (1 + 1e-12))
     return Partition(tuple(best), tuple(times), tuple(ranks), max(times), capacity, ok, schedule, sim, min_max)
 
 
 def _refine(u: UnitCosts, p: int, v: int, m: int, schedule: str, start: list[int],
-            capacity: float | None) -> tuple[list[int], float]:
+            capacity: float | None, group: int | None = None) -> tuple[list[int], float]:
     """(the split, its simulated pipeline) found by moving one layer at a time across a
     boundary from ``start`` and from the even split (where it fits), while the simulated
     pipeline gets faster, within :data:`SIM_UNITS` simulated units (none: ``start``, 0)."""
@@ -339,14 +343,14 @@ def _refine(u: UnitCosts, p: int, v: int, m: int, schedule: str, start: list[int
         return start, 0.0
 
     def fits(c: list[int]) -> bool:
-        return capacity is None or max(stage_loads(u, c, p, v, m, schedule)[1]) <= capacity * (1 + 1e-12)
+        return capacity is None or max(stage_loads(u, c, p, v, m, schedule, group)[1]) <= capacity * (1 + 1e-12)
 
     seen: dict[tuple[int, ...], float] = {}
 
     def cost(c: list[int]) -> float:
         key = tuple(c)
         if key not in seen:
-            seen[key] = simulate_split(u, c, p, v, m, schedule)
+            seen[key] = simulate_split(u, c, p, v, m, schedule, group)
         return seen[key]
 
     even = even_split(u.layers, n)

@@ -86,6 +86,7 @@ from spmdkit.planner.schedules import (
     ScheduleInputs,
     ScheduleRun,
     bubble_formula,
+    check_microbatch_group,
     in_flight,
     run_schedule,
     schedule_order,
@@ -121,6 +122,9 @@ class PipelineSpec:
     stages: tuple[int, ...] | None = None  # layers per virtual stage, when given
     #: ``--stages auto``: the split :func:`spmdkit.planner.partition.partition` finds
     auto: bool = False
+    #: ``--microbatch-group``: the interleaved schedule's microbatches a model chunk runs in a row
+    #: (Megatron-Core's ``microbatch_group_size_per_vp_stage``); None: ``pp``, its default
+    group: int | None = None
 
 
 def _int(flag: str, text: Any, hi: int) -> int | None:
@@ -128,7 +132,7 @@ def _int(flag: str, text: Any, hi: int) -> int | None:
 
 
 def parse_spec(pp: int, microbatches: Any = None, schedule: Any = None, virtual: Any = None,
-               stages: Any = None) -> PipelineSpec:
+               stages: Any = None, group: Any = None) -> PipelineSpec:
     m = _int("--microbatches", microbatches, MAX_MICROBATCHES) or 1
     sched = str(schedule).strip() if schedule is not None else None
     if sched is not None:
@@ -140,24 +144,31 @@ def parse_spec(pp: int, microbatches: Any = None, schedule: Any = None, virtual:
         sched = "interleaved" if v and v > 1 else "1f1b"
     if sched != "interleaved" and v not in (None, 1):
         raise ProgramError(f"--virtual-stages {v}: model chunks apply to --schedule interleaved, not {sched}")
+    n = _int("--microbatch-group", group, MAX_MICROBATCHES)
+    if n is not None and sched != "interleaved":
+        raise ProgramError(f"--microbatch-group {n}: groups the microbatches of the interleaved schedule's model "
+                           f"chunks; --schedule {sched} has none (give --schedule interleaved)")
     if sched == "interleaved":
         v = v or 2
-        if m % pp:
+        if n is not None:
+            check_microbatch_group(pp, m, n)
+        elif m % pp:
             raise ProgramError(f"--schedule interleaved: --microbatches {m} is not a multiple of pp={pp} "
                                f"(Megatron-LM's interleaved schedule needs it)")
     if pp * (v or 1) * m > MAX_UNITS:
         raise ProgramError(f"--microbatches {m}: {m} microbatches x {pp * (v or 1)} stages is more than "
                            f"{MAX_UNITS:,} forward units to simulate")
     counts = None
+    n = None if n == pp else n  # Megatron-Core's default, the depth-first order
     if stages is not None and str(stages).strip().lower() == "auto":
-        return PipelineSpec(pp, m, sched, v or 1, None, True)
+        return PipelineSpec(pp, m, sched, v or 1, None, True, n)
     if stages is not None:
         parts = [s.strip() for s in str(stages).split(",") if s.strip()]
         if not parts or not all(s.isascii() and s.isdigit() and len(s) <= 6 for s in parts):
             raise ProgramError(f"--stages {str(stages)[:60]!r}: expected layers per stage as integers, e.g. "
                                f"20,20,20,20, or auto")
         counts = tuple(int(s) for s in parts)
-    return PipelineSpec(pp, m, sched, v or 1, counts)
+    return PipelineSpec(pp, m, sched, v or 1, counts, group=n)
 
 
 def split_layers(n_layers: int, spec: PipelineSpec, balance: Callable[[int], tuple[int, ...]] | None = None
@@ -359,6 +370,7 @@ class PipelineEstimate:
         s = self.spec
         out: dict[str, Any] = {
             "pp": s.pp, "microbatches": s.microbatches, "schedule": s.schedule, "virtual_stages": s.virtual,
+            **({"microbatch_group": s.group} if s.group is not None else {}),
             "layers_per_stage": list(self.counts), "split_note": self.note, "bubble_formula": self.formula(),
             "pp_link": {"latency_s": self.pp_link[0], "s_per_byte": self.pp_link[1]},
             "stages": [{**st.to_json(), "send_s": self.send_f_s[k], "send_grad_s": self.send_b_s[k - 1] if k else 0.0}
@@ -412,6 +424,10 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     recomputation) and ``flops``: the model FLOPs of one microbatch of the full model."""
     p, v, m = spec.pp, spec.virtual, spec.microbatches
     check_ep_comm_overlap(plan, spec.schedule, recompute)
+    if spec.group is not None and plan.runtime.framework != "megatron":
+        raise ProgramError(f"--microbatch-group {spec.group}: Megatron-Core's interleaved schedule; --framework "
+                           f"{plan.runtime.framework} pipelines with torch.distributed.pipelining, whose "
+                           f"ScheduleInterleaved1F1B sets its own rounds of microbatches")
     if device is not None:  # every stage's GPUs step together: the slowest of them all sets the pace
         device = device.lockstep(ranks or plan.mesh.size * p)
     if spec.auto and counts is None:
@@ -441,7 +457,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     send_b = [send(costs[k + 1].send_grad_bytes, costs[k + 1].send_grad_gathered) if k < n - 1 else 0.0
               for k in range(n)]
     overlap = plan.runtime.ep_comm_overlap  # one more warm-up forward (planner.schedules)
-    flight = [in_flight(spec.schedule, p, v, m, r, int(overlap)) for r in range(p)]
+    flight = [in_flight(spec.schedule, p, v, m, r, int(overlap), spec.group) for r in range(p)]
     pend = [weight_pending(spec.schedule, p, m, r) for r in range(p)]
     walk = recompute != MICROBATCH and torch_pipelining(plan, spec.schedule, p)
     mems = []
@@ -480,7 +496,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
                                 a2a_compute_share(plan, device.rates.sms) if overlap else 1.0,
                                 [(c.copy_out_s, c.copy_in_s) for c in costs] if p > 1 and any(
                                     c.copy_out_s or c.copy_in_s for c in costs) else None)
-    run = est.run = est.inputs.run(spec.schedule, p, v, m)
+    run = est.run = est.inputs.run(spec.schedule, p, v, m, spec.group)
     est.step_serial_s, est.step_overlap_s = _step_times(plan, spec, costs, run, tied_s)
     mb_tokens = tokens // m if tokens else 0
     mf = model_flops(plan, mb_tokens)[0] if flops is None else flops
@@ -554,7 +570,7 @@ def stages_auto(plan: Plan, spec: PipelineSpec, device: Device | None, pp_link: 
     uc = plan_unit_costs(plan, spec.pp, device, recompute, pp_link, oc)
     cap = (device.memory_bytes - with_overheads(0, 0, 0, 0, 0, plan, spec.pp).runtime_overhead
            if device is not None else None)
-    part = partition(uc, spec.pp, spec.virtual, spec.microbatches, spec.schedule, cap)
+    part = partition(uc, spec.pp, spec.virtual, spec.microbatches, spec.schedule, cap, group=spec.group)
     args = (device, pp_link, tokens, ranks, recompute_forward, recompute)
     got: dict[str, PipelineEstimate] = {"partition": estimate_pipeline(plan, base, part.counts, *args, oc=oc)}
     ref = estimate_pipeline(plan, base, None, *args, oc=oc)
@@ -567,13 +583,13 @@ def stages_auto(plan: Plan, spec: PipelineSpec, device: Device | None, pp_link: 
     def key(e: PipelineEstimate) -> tuple[bool, float]:
         need = max(mm.device_total for mm in e.memory)
         pace = e.step_overlap_s if e.run is not None else simulate_split(uc, e.counts, spec.pp, spec.virtual,
-                                                                          spec.microbatches, spec.schedule)
+                                                                          spec.microbatches, spec.schedule, spec.group)
         return (device is not None and need > device.memory_bytes, pace)
 
     def slowest(e: PipelineEstimate) -> float:
         if device is not None:
             return max(c.forward_s + c.backward_s for c in e.stages)
-        return max(stage_loads(uc, e.counts, spec.pp, spec.virtual, spec.microbatches, spec.schedule)[0])
+        return max(stage_loads(uc, e.counts, spec.pp, spec.virtual, spec.microbatches, spec.schedule, spec.group)[0])
 
     chosen = min(got, key=lambda k: key(got[k]))  # dicts keep order: the partition first
     best = got[chosen]

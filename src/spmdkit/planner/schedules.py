@@ -3,7 +3,8 @@
 :func:`schedule_order` gives device ``r``'s forwards and backwards in the order the schedule
 runs them (GPipe: every forward, then every backward; 1F1B: ``p - r - 1`` warm-up forwards,
 then one forward and one backward in turn, then the cool-down backwards; interleaved 1F1B:
-Megatron-LM's order over ``v`` model chunks per device). :func:`run_schedule` runs those
+Megatron-LM's order over ``v`` model chunks per device, the microbatches in groups of ``N``,
+``--microbatch-group``, default ``p``: :func:`schedule_table`). :func:`run_schedule` runs those
 orders against each other: a forward waits for the previous stage's forward of the same
 microbatch plus the send, a backward for the next stage's backward plus the send. The bubble
 is what the simulated pipeline takes beyond the busiest device's own work; with equal stages
@@ -56,9 +57,11 @@ SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "inter
                     "GPipe": "gpipe", "zbh1": "zb-h1", "ZB-H1": "zb-h1", "zb1p": "zb-h1"}
 
 
-def schedule_order(schedule: str, p: int, v: int, m: int, r: int, extra_warm: int = 0) -> list[tuple[str, int, int]]:
+def schedule_order(schedule: str, p: int, v: int, m: int, r: int, extra_warm: int = 0,
+                   group: int | None = None) -> list[tuple[str, int, int]]:
     """Device ``r``'s work in order: ("F" | "B", virtual stage, microbatch). ``extra_warm``:
-    the interleaved schedule's additional warm-up forwards (1 under the all-to-all overlap)."""
+    the interleaved schedule's additional warm-up forwards (1 under the all-to-all overlap);
+    ``group``: its microbatch group (:func:`schedule_table`; None: ``p``)."""
     if schedule == "gpipe":
         return [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]
     if schedule == "1f1b":
@@ -70,18 +73,45 @@ def schedule_order(schedule: str, p: int, v: int, m: int, r: int, extra_warm: in
     if schedule == "zb-h1":
         return _zb_h1_order(p, m, r)
     total = m * v
+    table = schedule_table(m, v, group or p)
 
     def unit(k: int, forward: bool) -> tuple[int, int]:
-        chunk = (k % (p * v)) // p
-        if not forward:
-            chunk = v - 1 - chunk
-        return chunk * p + r, (k // (p * v)) * p + k % p
+        i, chunk = table[k]
+        return (chunk if forward else v - 1 - chunk) * p + r, i
 
-    warm = interleaved_warmup(p, v, m, r, extra_warm)
+    warm = interleaved_warmup(p, v, m, r, extra_warm, group)
     order = [("F", *unit(k, True)) for k in range(warm)]
     for j in range(total - warm):
         order += [("F", *unit(warm + j, True)), ("B", *unit(j, False))]
     return order + [("B", *unit(k, False)) for k in range(total - warm, total)]
+
+
+def schedule_table(m: int, v: int, group: int) -> list[tuple[int, int]]:
+    """Megatron-Core's ``get_schedule_table``: the interleaved schedule's (microbatch, model chunk)
+    of each of a device's ``m v`` forwards in order: microbatches in groups of ``group``
+    (``--microbatch-group-size-per-virtual-pipeline-stage``), each group through chunk 0, then
+    chunk 1, ..., the last group the ``m`` left. The ``j``-th backward is the ``j``-th entry's
+    microbatch on chunk ``v - 1 - chunk`` (module docstring)."""
+    out: list[tuple[int, int]] = []
+    for lo in range(0, m, group):
+        hi = m if lo + group >= m else lo + group
+        out += [(i, c) for c in range(v) for i in range(lo, hi)]
+    return out
+
+
+def check_microbatch_group(p: int, m: int, group: int) -> None:
+    """Refuse the microbatch groups Megatron-Core's interleaved schedule refuses
+    (``forward_backward_pipelining_with_interleaving``): ``N`` outside ``[p, m]`` (a ValueError
+    there), and a last group of fewer than ``p`` microbatches, ``0 < m mod N < p`` (a
+    RuntimeError there: "it introduces dependency bubbles")."""
+    flag = f"--microbatch-group {group}"
+    if group < p or group > m:
+        raise ProgramError(f"{flag}: Megatron-Core's interleaved schedule needs a group from pp={p} to --microbatches "
+                           f"{m} (the microbatches a model chunk runs in a row)")
+    if 0 < m % group < p:
+        raise ProgramError(f"{flag}: --microbatches {m} leaves a last group of {m % group}, fewer than pp={p} "
+                           f"(Megatron-Core refuses it: the last group's chunks would wait on each other); give "
+                           f"--microbatches a multiple of {group} or one that leaves at least {p}")
 
 
 def merged_part(a: float, o: float, share: float = 1.0) -> float:
@@ -91,10 +121,11 @@ def merged_part(a: float, o: float, share: float = 1.0) -> float:
     return max(a, o + a * (1.0 - share))
 
 
-def interleaved_warmup(p: int, v: int, m: int, r: int, extra_warm: int = 0) -> int:
-    """Device ``r``'s warm-up forwards under the interleaved schedule (Megatron-LM's count, plus
-    ``extra_warm``), at most its ``m v`` forwards."""
-    return min((p - r - 1) * 2 + (v - 1) * p + extra_warm, m * v)
+def interleaved_warmup(p: int, v: int, m: int, r: int, extra_warm: int = 0, group: int | None = None) -> int:
+    """Device ``r``'s warm-up forwards under the interleaved schedule (Megatron-Core's
+    ``get_pp_rank_microbatches``: ``(p - r - 1) 2 + (v - 1) N``, ``N`` the microbatch ``group``,
+    None: ``p``; plus ``extra_warm``), at most its ``m v`` forwards."""
+    return min((p - r - 1) * 2 + (v - 1) * (group or p) + extra_warm, m * v)
 
 
 def _zb_h1_order(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
@@ -138,14 +169,16 @@ def weight_pending(schedule: str, p: int, m: int, r: int) -> int:
     return held_counts(_zb_h1_order(p, m, r))[1]
 
 
-def in_flight(schedule: str, p: int, v: int, m: int, r: int, extra_warm: int = 0) -> float:
+def in_flight(schedule: str, p: int, v: int, m: int, r: int, extra_warm: int = 0, group: int | None = None) -> float:
     """Microbatches of a whole stage whose activations device ``r`` holds at its peak
-    (``extra_warm``: the interleaved schedule's additional warm-up forwards)."""
+    (``extra_warm``: the interleaved schedule's additional warm-up forwards; ``group``: its
+    microbatch group, None: ``p``): the interleaved schedule's warm-up forwards and the first
+    steady-state forward, before its backward frees one."""
     if schedule == "gpipe":
         return float(m)
     if schedule in ("1f1b", "zb-h1"):
         return float(min(p - r, m))
-    return min((p - r - 1) * 2 + (v - 1) * p + 1 + extra_warm, m * v) / v
+    return min(interleaved_warmup(p, v, m, r, extra_warm, group) + 1, m * v) / v
 
 
 @dataclass
@@ -196,17 +229,17 @@ class ScheduleInputs:
     #: backward take more, once a step (FSDP2's copy-out and copy-in: :func:`run_schedule`)
     once: list[tuple[float, float]] | None = None
 
-    def run(self, schedule: str, p: int, v: int, m: int) -> ScheduleRun:
+    def run(self, schedule: str, p: int, v: int, m: int, group: int | None = None) -> ScheduleRun:
         return run_schedule(schedule, p, v, m, self.fwd, self.bwd, self.send_f, self.send_b,
                             self.blocking_sends, weight=self.weight, a2a=self.a2a, a2a_share=self.a2a_share,
-                            once=self.once)
+                            once=self.once, group=group)
 
 
 def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float],
                  send_f: list[float] | None = None, send_b: list[float] | None = None,
                  blocking_sends: bool | None = None, weight: list[float] | None = None,
                  a2a: list[tuple[float, float]] | None = None, a2a_share: float = 1.0,
-                 once: list[tuple[float, float]] | None = None) -> ScheduleRun:
+                 once: list[tuple[float, float]] | None = None, group: int | None = None) -> ScheduleRun:
     """Simulate the schedule: ``fwd[k]`` / ``bwd[k]`` the time of virtual stage ``k`` for one
     microbatch, ``send_f[k]`` / ``send_b[k]`` the time to send its output activations to stage
     ``k+1`` / the gradients of its inputs to ``k-1`` (``send_b[k]`` is stage ``k+1``'s send back
@@ -221,7 +254,8 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
     the work under an all-to-all at ``a2a_share`` of its speed (:func:`merged_part`). ``once``: per
     virtual stage, seconds more in its first microbatch's forward and its last microbatch's backward
     (B), on the same device (FSDP2 under torch's pipelining gathers a stage's parameters before its
-    first forward and reduce-scatters its gradients after its last backward, each with its copy)."""
+    first forward and reduce-scatters its gradients after its last backward, each with its copy).
+    ``group``: the interleaved schedule's microbatch group (:func:`schedule_table`; None: ``p``)."""
     if a2a is not None and schedule != "interleaved":
         raise ProgramError(f"--ep-comm-overlap: merges the steady-state forward and backward of the interleaved "
                            f"schedule; --schedule {schedule} has none to merge (give --schedule interleaved)")
@@ -233,10 +267,10 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
     sb = send_b or [0.0] * n
     wt = weight or [0.0] * n
     extra = 1 if a2a is not None else 0
-    orders = [schedule_order(schedule, p, v, m, r, extra) for r in range(p)]
+    orders = [schedule_order(schedule, p, v, m, r, extra, group) for r in range(p)]
     # the first position of each merged pair on each device (the steady state's F, B)
     pairs = [set(range(w, len(orders[r]) - w, 2)) if a2a is not None else set()
-             for r, w in enumerate(interleaved_warmup(p, v, m, r, extra) for r in range(p))]
+             for r, w in enumerate(interleaved_warmup(p, v, m, r, extra, group) for r in range(p))]
     # the end of each forward / backward unit done, at [virtual stage x m + microbatch]
     done_f: list[float | None] = [None] * (n * m)
     done_b: list[float | None] = [None] * (n * m)
@@ -336,5 +370,5 @@ def bubble_formula(schedule: str, p: int, v: int, m: int, times: tuple[float, fl
     return (p - 1) / m
 
 
-__all__ = ["SCHEDULES", "SCHEDULE_ALIASES", "ScheduleInputs", "ScheduleRun", "bubble_formula", "held_counts", "in_flight", "merged_part",
-           "run_schedule", "schedule_order", "weight_pending"]
+__all__ = ["SCHEDULES", "SCHEDULE_ALIASES", "ScheduleInputs", "ScheduleRun", "bubble_formula", "check_microbatch_group",
+           "held_counts", "in_flight", "merged_part", "run_schedule", "schedule_order", "schedule_table", "weight_pending"]
