@@ -284,3 +284,19 @@ def test_all_to_all_across_nodes_by_hand() -> None:
     assert got == pytest.approx((8.4 + 7 * 3.4 + 8 * 14.0) * 1e-6 + 8 / 16 * s / (50e9 * 0.92), rel=1e-9)
     inside = collective_time("all_to_all", s, Group(8, 8), Fabric.of(450e9, 50e9))
     assert inside == pytest.approx((8.4 + 7 * 3.4) * 1e-6 + 7 / 8 * s / (450e9 * 0.80), rel=1e-9)  # NVLink
+
+
+def test_fp8_casts_the_local_expert_stack_once_not_per_gemm_batch() -> None:
+    # Transformer Engine casts each weight to fp8 once a forward: for an expert GEMM [B, E, C, H] x [E, H, F]
+    # that is the E / ep x H x F stack this rank holds (Mixtral on dp=2,ep=4: 2 of 8 experts), however many
+    # sequences the dispatch buffer batches (the GEMM's batch is sequences x local experts); the input is
+    # cast where no fused producer wrote it in fp8
+    plan = replace(plan_preset("mixtral-8x7b", "dp=2,ep=4", "dp,ep", {"layers": 1, "seq": 256, "batch": 16})[1],
+                   runtime=Runtime(precision="fp8"))
+    ops = [i for i in _expert_ops(plan) if op_cost(plan, i).fp8]
+    assert len(ops) == 3  # gate, up, down
+    weight = (E // 4) * H * F
+    casts = sorted(op_cost(plan, i).cast_bytes for i in ops)
+    # up and down: their weights alone (their inputs are the gate's, cast once, and the SwiGLU's output);
+    # the gate: its weight and the dispatched tokens, 2 sequences x 8 experts x capacity 64 x H on this rank
+    assert casts == [4 * weight, 4 * weight, 4 * (weight + 2 * 8 * 64 * H)]

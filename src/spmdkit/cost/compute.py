@@ -24,6 +24,7 @@ outputs as the rule makes them); a partial output costs the same local work as a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -251,8 +252,9 @@ def _fp8(prog: Program, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     b, m, n, k = gemm_dims(lop)
     if op.rule.endswith("_grad"):
         elems = b * m * n
-    else:
-        elems = (b * k * n if b > 1 else k * n) + (b * m * k if i in layers.casts_input else 0)
+    else:  # the weight as this device holds it (an expert stack: its local experts, not the GEMM's batch)
+        weight = lop.one("y") or lop.one("weight")
+        elems = (math.prod(weight[0]) if weight is not None else k * n) + (b * m * k if i in layers.casts_input else 0)
     return replace(c, fp8=True, cast_bytes=4.0 * elems)
 
 
