@@ -60,8 +60,8 @@ from spmdkit.engine.memo import gc_paused
 from spmdkit.models.catalog import config_fields
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fidelity_foundry import FOUNDRY_RUNS, foundry_argv, foundry_section, with_foundry_section
-from fidelity_tables import run_table
+from fidelity_foundry import FOUNDRY, foundry_argv
+from fidelity_tables import RunsSection, run_table, runs_section
 
 #: the published runs (a copy of the team's shared calibration set; benchmarks/data/published-runs.md)
 RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
@@ -1033,7 +1033,7 @@ def split_section(doc: str, heading: str) -> tuple[str, list[str]]:
 
 
 OUTSIDE_HEADING = "## Out-of-sample check: the largest published runs"
-OUTSIDE_INTRO = [
+OUTSIDE_INTRO = (
     "The runs of `benchmarks/data/outside-runs.json`: Llama 3 405B on 8,192 and 16,384 H100s (Dubey et al. 2024,",
     "Table 4, one row at 131,072 tokens with cp 16), BLOOM-176B (BigScience's log and slurm script), Megatron-Turing",
     "NLG 530B (Smith et al. 2022), Megatron-LM's GPT-3 175B example (its README) and OPT-175B (Zhang et al. 2022).",
@@ -1042,18 +1042,18 @@ OUTSIDE_INTRO = [
     "`benchmarks/calibrate_sustained.py`. Megatron-DeepSpeed's runs as DeepSpeed's PipelineEngine runs them",
     "(blocking sends, the gradients reduced after the pipeline), BLOOM's `CUDA_LAUNCH_BLOCKING=1` as no collective",
     "beside compute; BLOOM and MT-NLG in Narayanan's eq. 3 (their own count), Llama 3 by Megatron-Core's count",
-    "(Meta states none; non-causal attention, as torchtitan's): each row's assumptions below.", ""]
+    "(Meta states none; non-causal attention, as torchtitan's): each row's assumptions below.", "")
 NEMO_LONG_HEADING = "## Out-of-sample check: NeMo 24.03's long-sequence runs (cp up to 32)"
-NEMO_LONG_INTRO = [
+NEMO_LONG_INTRO = (
     "The runs of `benchmarks/data/nemo-long-runs.json`: NVIDIA NeMo's long-sequence table (Llama 2 7B, fp8,",
     "NeMo 24.03.01 on DGX-H100, 4K to 1024K tokens, cp 1 to 32, 4M tokens a step; NVIDIA/NeMo",
     "docs/source/performance/performance_long_sequence.md). Nothing in the cost model was calibrated on them",
     "(`benchmarks/data/nemo-long-runs.md`): out of `band.json`, the summary above and",
     "`benchmarks/calibrate_sustained.py`. Expressed as NeMo 24.07's cp rows (Transformer Engine's p2p ring,",
     "`--strategy ...,cp,cp-attention=ring`, fp8, the distributed optimizer); TFLOP/s by NeMo-Framework-Launcher",
-    "24.03.01's count (`nemo2403_flops`: non-causal attention, most of the count at 1M tokens).", ""]
+    "24.03.01's count (`nemo2403_flops`: non-causal attention, most of the count at 1M tokens).", "")
 NEMO_HEADING = "## Out-of-sample check: NeMo's later performance summaries (25.09 to 26.06)"
-NEMO_INTRO = [
+NEMO_INTRO = (
     "The runs of `benchmarks/data/nemo-runs.json`: every DGX-H100 pre-training row of NeMo 25.09 to 26.06's",
     "performance summaries (NVIDIA-NeMo/Megatron-Bridge `docs/performance-summary-archive.md`) whose model the",
     "catalog has (Llama 3 8B / 70B, Llama 3.1 405B, DeepSeek-V3, Qwen3-30B-A3B, Qwen3-235B-A22B), each with its",
@@ -1061,24 +1061,26 @@ NEMO_INTRO = [
     "rows are (the distributed optimizer, bf16 gradients, sequence parallelism with tp; the recipe's TP overlap",
     "and fused cross-entropy; the MoE rows' dispatcher, a2a overlap and forced balance or token drop as",
     "moe-runs.json's are); compared in tokens/s/GPU. Nothing in the cost model was calibrated on them: they",
-    "are kept out of `band.json`, the summary above and `benchmarks/calibrate_sustained.py`.", ""]
-#: runs files planned apart from the calibration, each a section of docs/fidelity.md after the MoE runs
-#: (runs file, heading, the lines under it): out of band.json and of the summary of the published runs
-EXTRA_RUNS: list[tuple[Path, str, list[str]]] = [(OUTSIDE_RUNS, OUTSIDE_HEADING, OUTSIDE_INTRO),
-                                                 (NEMO_LONG_RUNS, NEMO_LONG_HEADING, NEMO_LONG_INTRO),
-                                                 (NEMO_RUNS, NEMO_HEADING, NEMO_INTRO)]
+    "are kept out of `band.json`, the summary above and `benchmarks/calibrate_sustained.py`.", "")
+#: the runs files planned apart from the calibration (out of band.json, of the published runs' summary
+#: and of benchmarks/calibrate_sustained.py), each a section of docs/fidelity.md after the MoE runs
+EXTRA_RUNS: list[RunsSection] = [RunsSection(OUTSIDE_RUNS, OUTSIDE_HEADING, OUTSIDE_INTRO),
+                                 RunsSection(NEMO_LONG_RUNS, NEMO_LONG_HEADING, NEMO_LONG_INTRO),
+                                 RunsSection(NEMO_RUNS, NEMO_HEADING, NEMO_INTRO), FOUNDRY]
 
 
-def extra_section(heading: str, intro: list[str], res: list[dict[str, Any]], uns: dict[str, list[str]],
-                  s: dict[str, Any]) -> list[str]:
-    """docs/fidelity.md's section of a runs file of :data:`EXTRA_RUNS`: its summary, every run with its
-    assumptions, the runs not expressible."""
-    out = ["", heading, "", *intro]
-    out += [f"- {line}" for line in summary_lines(s)]
-    out += ["", *run_table(res)]
-    out += [""] + [f"- {r['id']}: " + "; ".join(r["assumptions"]) for r in res]
-    out += [f"- unsupported {k}: {', '.join(v)}" for k, v in uns.items()]
-    return out
+def extra_section(x: RunsSection, res: list[dict[str, Any]], uns: dict[str, list[str]], s: dict[str, Any],
+                  rows: list[dict[str, Any]]) -> list[str]:
+    """docs/fidelity.md's section of ``x``, a runs file of :data:`EXTRA_RUNS`
+    (:func:`fidelity_tables.runs_section`), ``s`` the summary of ``res``, ``rows`` the file's rows."""
+    return runs_section(x, res, uns, rows, summary_lines(s))
+
+
+def evaluate_section(x: RunsSection, out: Any = None) -> list[str]:
+    """Plan every run of ``x``'s file and give its section (:func:`extra_section`)."""
+    rows = json.loads(x.path.read_text())
+    res, uns = evaluate(rows, False, out)
+    return extra_section(x, res, uns, summarise(res, uns), rows)
 
 ROOT = Path(__file__).resolve().parents[1]
 BAND = ROOT / "src" / "spmdkit" / "cost" / "band.json"
@@ -1099,9 +1101,9 @@ def main() -> int:
                     help="print where each run's predicted step goes (compute, exposed communication by kind; "
                          "a pipeline's schedule, bubble and what runs after it) and the measured step; a Table 4 "
                          "layer's forward and backward halves beside the measured ones")
-    ap.add_argument("--foundry-section", action="store_true",
-                    help="print the out-of-sample section of docs/fidelity.md for the runs planned "
-                         "(--runs benchmarks/data/foundry-runs.json)")
+    ap.add_argument("--section", action="store_true",
+                    help="print the section of docs/fidelity.md of the one --runs file given, an out-of-sample "
+                         "set (benchmarks/data/{outside,nemo-long,nemo,foundry}-runs.json), for the runs planned")
     a = ap.parse_args()
     runs = a.runs or [str(RUNS)]
     rows = [r for f in runs for r in json.loads(Path(f).read_text())]
@@ -1112,8 +1114,13 @@ def main() -> int:
     print()
     for line in summary_lines(s):
         print(line)
-    if a.foundry_section:  # the section --write would put in docs/fidelity.md, for these rows
-        print("\n".join(foundry_section(results, unsupported, rows, summary_lines(s))))
+    if a.section:  # the section --write would put in docs/fidelity.md, for these rows
+        x = next((x for x in EXTRA_RUNS if len(runs) == 1 and Path(runs[0]).resolve() == x.path), None)
+        if x is None:
+            print("--section: give one --runs file of the out-of-sample sets: "
+                  + ", ".join(str(x.path.relative_to(ROOT)) for x in EXTRA_RUNS), file=sys.stderr)
+            return 2
+        print("\n".join(extra_section(x, results, unsupported, s, rows)))
     if a.json:
         Path(a.json).write_text(json.dumps({"results": results, "unsupported": unsupported, "summary": s}, indent=1))
     if a.write:
@@ -1124,13 +1131,9 @@ def main() -> int:
         mrows = json.loads(MOE_RUNS.read_text())
         mres, muns = evaluate(mrows, False, sys.stdout)
         sections = moe_section(mres, muns, summarise(mres, muns))
-        for path, heading, intro in EXTRA_RUNS:  # the out-of-sample checks: not in band.json
-            xres, xuns = evaluate(json.loads(path.read_text()), False, sys.stdout)
-            sections += extra_section(heading, intro, xres, xuns, summarise(xres, xuns))
-        frows = json.loads(FOUNDRY_RUNS.read_text())
-        fres, funs = evaluate(frows, False, sys.stdout)
-        fsec = foundry_section(fres, funs, frows, summary_lines(summarise(fres, funs)))
-        DOC.write_text(with_foundry_section(markdown(results, unsupported, s, sections), fsec))
+        for x in EXTRA_RUNS:  # the out-of-sample checks: not in band.json
+            sections += evaluate_section(x, sys.stdout)
+        DOC.write_text(markdown(results, unsupported, s, sections))
     return 0
 
 

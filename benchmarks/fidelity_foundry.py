@@ -21,12 +21,10 @@ H100 SXM 989.5e12 in bf16, 1979e12 in fp8): :func:`foundry_mfu_pct`.
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fidelity_tables import run_table
+from fidelity_tables import RunsSection
 
 FOUNDRY_RUNS = Path(__file__).resolve().parent / "data" / "foundry-runs.json"
 FOUNDRY_HEADING = "## Out-of-sample check: llm-foundry (MPT), kept out of the calibration"
@@ -103,63 +101,14 @@ def attention_argv(row: dict[str, Any], assume: list[str]) -> list[str]:
     return []
 
 
-def _by(results: list[dict[str, Any]], rows: dict[str, dict[str, Any]], key: Callable[[dict[str, Any]], str]
-        ) -> dict[str, list[dict[str, Any]]]:
-    out: dict[str, list[dict[str, Any]]] = {}
-    for r in results:
-        out.setdefault(key(rows[r["id"]]), []).append(r)
-    return out
-
-
-def _line(name: str, rs: list[dict[str, Any]]) -> str:
-    errs = sorted(abs(r["ratio"] - 1) for r in rs)
-    k = (len(errs) - 1) * 0.9
-    lo = int(k)
-    p90 = errs[lo] + (errs[min(lo + 1, len(errs) - 1)] - errs[lo]) * (k - lo)
-    return (f"| {name} | {len(rs)} | {100 * statistics.median(errs):.1f}% | {100 * p90:.1f}% | "
-            f"{100 * sum(e <= 0.05 for e in errs) / len(errs):.0f}% | {100 * sum(e <= 0.10 for e in errs) / len(errs):.0f}% | "
-            f"{statistics.median(r['ratio'] for r in rs):.3f} |")
-
-
-def foundry_section(results: list[dict[str, Any]], unsupported: dict[str, list[str]], rows: list[dict[str, Any]],
-                    summary: list[str]) -> list[str]:
-    """docs/fidelity.md's out-of-sample section: the summary (``summary``: fidelity.summary_lines),
-    the error by GPU, precision and activation checkpointing, the worst rows and every row."""
-    byid = {r["id"]: r for r in rows}
-    out = ["", FOUNDRY_HEADING, "",
-           "Every row of MosaicML llm-foundry's published MPT throughput tables (`scripts/train/benchmarking/",
-           "README.md` at 495218376, unchanged since 5e85bd62d; `benchmarks/data/foundry-runs.json`): MPT 125M-70B,",
-           "seq 512-65536, 8-512 A100 40GB / A100 80GB / H100 80GB GPUs, Composer's torch FSDP. A source the cost",
-           "model was never calibrated on: it is not in `band.json` nor read by `benchmarks/calibrate_sustained.py`,",
-           "and nothing was tuned after seeing it (`benchmarks/fidelity_foundry.py` says how the rows are planned).",
-           "Compared in tokens per second per GPU.", ""]
-    out += [f"- {line}" for line in summary[:1] + summary[2:]]
-    if results:
-        out += ["", "| rows | runs | median \\|ratio - 1\\| | p90 | within 5% | within 10% | median ratio |",
-                "|---|---|---|---|---|---|---|"]
-        out.append(_line("all", results))
-        for title, key in (("GPU", lambda r: f"{r['hardware']['gpu']} {r['precision']}"),
-                           ("activation checkpointing", lambda r: str(r["recompute"])),
-                           ("sharding", lambda r: str(r["parallelism"]["zero"]).split()[1])):
-            for k, rs in sorted(_by(results, byid, key).items()):
-                out.append(_line(f"{title}: {k}", rs))
-        worst = sorted(results, key=lambda r: -abs(r["ratio"] - 1))[:10]
-        out += ["", "The worst rows: " + ", ".join(f"{r['id']} {r['ratio']:.3f}" for r in worst) + "."]
-    out += ["", *run_table(results, unit=False)]
-    out += [f"- unsupported {k}: {', '.join(v)}" for k, v in unsupported.items()]
-    return out
-
-
-def with_foundry_section(doc: str, section: list[str]) -> str:
-    """``doc`` (fidelity.markdown's text) with the out-of-sample ``section`` appended, the doc's last."""
-    return doc + "\n".join(section) + "\n"
-
-
-def split_foundry_section(doc: str) -> tuple[str, list[str]]:
-    """(docs/fidelity.md without its out-of-sample section, the section's lines): the inverse of
-    :func:`with_foundry_section`."""
-    lines = doc.split("\n")
-    if FOUNDRY_HEADING not in lines:
-        return doc, []
-    a = lines.index(FOUNDRY_HEADING) - 1
-    return "\n".join(lines[:a]) + "\n", lines[a:-1]
+FOUNDRY = RunsSection(FOUNDRY_RUNS, FOUNDRY_HEADING, (
+    "Every row of MosaicML llm-foundry's published MPT throughput tables (`scripts/train/benchmarking/",
+    "README.md` at 495218376, unchanged since 5e85bd62d; `benchmarks/data/foundry-runs.json`): MPT 125M-70B,",
+    "seq 512-65536, 8-512 A100 40GB / A100 80GB / H100 80GB GPUs, Composer's torch FSDP. A source the cost",
+    "model was never calibrated on: it is not in `band.json` nor read by `benchmarks/calibrate_sustained.py`,",
+    "and nothing was tuned after seeing it (`benchmarks/fidelity_foundry.py` says how the rows are planned).",
+    "Compared in tokens per second per GPU.", ""),
+    groups=(("GPU", lambda r: f"{r['hardware']['gpu']} {r['precision']}"),
+            ("activation checkpointing", lambda r: str(r["recompute"])),
+            ("sharding", lambda r: str(r["parallelism"]["zero"]).split()[1])),
+    unit=False, assumptions=False)

@@ -162,11 +162,10 @@ def test_band_and_docs_are_current() -> None:
     results, unsupported = FID.evaluate(ROWS)
     s = FID.summarise(results, unsupported)
     assert json.loads(BAND_FILE.read_text()) == FID.band_json(results), "run: python benchmarks/fidelity.py --write"
-    doc, _ = sys.modules["fidelity_foundry"].split_foundry_section((ROOT / "docs" / "fidelity.md").read_text())
-    rest, section = FID.split_moe_section(doc)
+    rest, section = FID.split_moe_section((ROOT / "docs" / "fidelity.md").read_text())
     assert section, "docs/fidelity.md has no MoE section: run: python benchmarks/fidelity.py --write"
-    for _, heading, _ in FID.EXTRA_RUNS:  # the out-of-sample sections, checked apart (below)
-        rest, _ = FID.split_section(rest, heading)
+    for x in FID.EXTRA_RUNS:  # the out-of-sample sections, checked apart (below)
+        rest, _ = FID.split_section(rest, x.heading)
     assert rest == FID.markdown(results, unsupported, s), "run: python benchmarks/fidelity.py --write"
 
 
@@ -502,23 +501,6 @@ def test_foundry_rows_stay_out_of_the_calibration() -> None:
     assert not any(r["id"].startswith("foundry_") for r in ROWS)
 
 
-def test_the_foundry_section_is_split_off_whole() -> None:
-    doc = FID.markdown([], {}, FID.summarise([], {}))
-    sec = FF.foundry_section([], {}, [], FID.summary_lines(FID.summarise([], {})))
-    assert FF.split_foundry_section(FF.with_foundry_section(doc, sec)) == (doc, sec)
-    assert FF.split_foundry_section(doc) == (doc, [])
-
-
-def test_foundry_docs_are_current() -> None:
-    """docs/fidelity.md's out-of-sample section is what the code predicts today for
-    benchmarks/data/foundry-runs.json."""
-    rows = list(FOUNDRY.values())
-    fres, funs = FID.evaluate(rows)
-    _, section = FF.split_foundry_section((ROOT / "docs" / "fidelity.md").read_text())
-    assert section == FF.foundry_section(fres, funs, rows, FID.summary_lines(FID.summarise(fres, funs))), \
-        "run: python benchmarks/fidelity.py --write"
-
-
 # -- the out-of-sample runs (benchmarks/data/outside-runs.json) --------------------------------------------
 
 OUTSIDE: list[dict[str, Any]] = json.loads(FID.OUTSIDE_RUNS.read_text())
@@ -616,8 +598,8 @@ def test_outside_runs_are_kept_out_of_the_band_and_the_calibration() -> None:
     assert FID.OUTSIDE_RUNS != FID.RUNS and not {r["id"] for r in ROWS} & {r["id"] for r in OUTSIDE}
     # every out-of-sample runs file (NeMo 24.03's long-sequence table among them): its own section, none of its
     # runs in the published set (band.json's), its name and constant absent from the calibration
-    paths = [path for path, _, _ in FID.EXTRA_RUNS]
-    assert FID.NEMO_LONG_RUNS in paths and FID.RUNS not in paths and FID.MOE_RUNS not in paths
+    paths = [x.path for x in FID.EXTRA_RUNS]
+    assert FID.NEMO_LONG_RUNS in paths and FF.FOUNDRY_RUNS in paths and FID.RUNS not in paths and FID.MOE_RUNS not in paths
     for path in paths:
         assert path.name not in calibrate and "EXTRA_RUNS" not in calibrate
         assert not {r["id"] for r in ROWS} & {r["id"] for r in json.loads(path.read_text())}
@@ -627,23 +609,40 @@ def test_outside_runs_are_kept_out_of_the_band_and_the_calibration() -> None:
 def test_extra_sections_are_split_off_whole() -> None:
     s0 = FID.summarise([], {})
     moe = ["", FID.MOE_HEADING, "", "- a line"]
-    extra = FID.extra_section(FID.OUTSIDE_HEADING, ["an intro"], [], {"a feature": ["a_run"]}, s0)
-    doc = FID.markdown([], {}, s0, moe + extra)
+    x = FID.EXTRA_RUNS[0]
+    extra = FID.extra_section(x, [], {"a feature": ["a_run"]}, s0, [])
+    grouped = FID.extra_section(FF.FOUNDRY, [], {}, s0, [])  # the last section: no heading after it but AFTER_MOE's
+    doc = FID.markdown([], {}, s0, moe + extra + grouped)
     rest, section = FID.split_moe_section(doc)
     assert section == moe
-    rest, section = FID.split_section(rest, FID.OUTSIDE_HEADING)
-    assert section == extra and section[-1] == "- unsupported a feature: a_run" and rest == FID.markdown([], {}, s0)
+    rest, section = FID.split_section(rest, x.heading)
+    assert section == extra and section[-1] == "- unsupported a feature: a_run"
+    rest, section = FID.split_section(rest, FF.FOUNDRY.heading)
+    assert section == grouped and rest == FID.markdown([], {}, s0)
+
+
+def test_a_grouped_section_tables_the_error_by_group() -> None:
+    # llm-foundry's section: the error in all and by GPU, checkpointing and sharding, the worst rows, no unit column
+    rows = [FOUNDRY["foundry_a100_40gb_bf16_7b_s4096_g8_mb6"], FOUNDRY["foundry_h100_80gb_bf16_3b_s2048_g512_mb8"]]
+    res = [{"id": r["id"], "metric": "tokens_per_sec_per_gpu", "measured": 100.0, "predicted": p, "ratio": p / 100,
+            "memory_gib": 1.0, "fits": True, "assumptions": ["a"], "group": r["id"]} for r, p in zip(rows, (90.0, 120.0))]
+    sec = FID.extra_section(FF.FOUNDRY, res, {}, FID.summarise(res, {}), rows)
+    assert "| all | 2 | 15.0% | 19.0% | 0% | 50% | 1.050 |" in sec
+    assert "| GPU: A100 40GB bf16 | 1 | 10.0% | 10.0% | 0% | 100% | 0.900 |" in sec
+    assert "| GPU: H100 80GB bf16 | 1 | 20.0% | 20.0% | 0% | 0% | 1.200 |" in sec
+    assert sec[sec.index("| run | measured | predicted | ratio | memory GiB | fits |") + 2].endswith("| 100 | 90 | 0.900 | 1.0 | yes |")
+    assert "The worst rows: foundry_h100_80gb_bf16_3b_s2048_g512_mb8 1.200, foundry_a100_40gb_bf16_7b_s4096_g8_mb6 0.900." in sec
+    assert not any(line.startswith("- foundry_") for line in sec)  # no assumptions listed: 216 rows
 
 
 def test_outside_docs_are_current() -> None:
-    """docs/fidelity.md's out-of-sample sections are what the code predicts today (fails until
-    ``python benchmarks/fidelity.py --write`` has written them)."""
+    """docs/fidelity.md's out-of-sample sections (the largest runs, NeMo's long-sequence and later runs,
+    llm-foundry's) are what the code predicts today (fails until ``python benchmarks/fidelity.py --write``
+    has written them)."""
     doc = (ROOT / "docs" / "fidelity.md").read_text()
-    for path, heading, intro in FID.EXTRA_RUNS:
-        res, uns = FID.evaluate(json.loads(path.read_text()))
-        _, section = FID.split_section(doc, heading)
-        assert section == FID.extra_section(heading, intro, res, uns, FID.summarise(res, uns)), \
-            "run: python benchmarks/fidelity.py --write"
+    for x in FID.EXTRA_RUNS:
+        _, section = FID.split_section(doc, x.heading)
+        assert section == FID.evaluate_section(x), "run: python benchmarks/fidelity.py --write"
 
 
 # -- the out-of-sample long-sequence runs (benchmarks/data/nemo-long-runs.json) ------------------------------
@@ -771,7 +770,7 @@ def test_nemo_qwen3_235b_row_is_expressed_as_its_recipe_ran_it() -> None:
 def test_nemo_runs_are_kept_out_of_the_band_and_the_calibration() -> None:
     calibrate = (ROOT / "benchmarks" / "calibrate_sustained.py").read_text()
     assert "NEMO_RUNS" not in calibrate and "nemo-runs" not in calibrate and "fidelity.RUNS" in calibrate
-    assert FID.NEMO_RUNS not in (FID.RUNS, FID.MOE_RUNS) and FID.NEMO_RUNS in [p for p, _, _ in FID.EXTRA_RUNS]
+    assert FID.NEMO_RUNS not in (FID.RUNS, FID.MOE_RUNS) and FID.NEMO_RUNS in [x.path for x in FID.EXTRA_RUNS]
     assert FID.band_json([])["runs_file"] == "benchmarks/data/published-runs.json"
     assert not set(NEMO) & {r["id"] for r in ROWS}
     # no row repeats one of the shared NeMo 24.07 rows (a later release, another figure)
