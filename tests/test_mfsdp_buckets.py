@@ -65,15 +65,16 @@ def test_a_layers_gradients_are_one_reduce_scatter_when_its_backward_ends() -> N
     assert root.start_s == pytest.approx(max(root.ready_s, zero.start_s + zero.time_s))
 
 
-def test_zero2_keeps_megatrons_bucket_size() -> None:
-    """``optim_grads``: no units, so ``bucket_size`` buckets, whichever layers they span."""
-    est, _ = _est("zero2")
+def test_zero2_keeps_megatrons_bucket_size_where_zero3_has_units() -> None:
+    """``optim_grads``: no units, so ``bucket_size`` buckets whichever layers they span; the same
+    model under ``optim_grads_params`` reduces a layer at once; torchtitan's FSDP2 as before
+    (tests/test_fsdp_units.py)."""
+    zero2, _ = _est("zero2")
+    zero3, _ = _est("zero3")
     cap = 4 * 40_000_000
-    assert all(b.bytes >= cap for b in est.buckets)
-    assert (9, 4 * LAYER) not in [(b.tensors, b.bytes) for b in est.buckets]
-
-
-def test_torchtitan_is_unchanged() -> None:
-    """FSDP2 already reduce-scatters a block's gradients at once (tests/test_fsdp_units.py)."""
-    est, _ = _est("zero3", framework="torchtitan")
-    assert [b.tensors for b in est.buckets] == [9, 9, 3]
+    assert all(b.bytes >= cap for b in zero2.buckets)
+    layer = (9, 4 * LAYER)
+    assert layer not in [(b.tensors, b.bytes) for b in zero2.buckets]
+    assert [(b.tensors, b.bytes) for b in zero3.buckets].count(layer) == 2
+    titan, _ = _est("zero3", framework="torchtitan")
+    assert [b.tensors for b in titan.buckets] == [9, 9, 3]
