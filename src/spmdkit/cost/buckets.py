@@ -76,6 +76,18 @@ class Reducer:
         self.framework = plan.runtime.framework
         #: ``--grad-dtype bf16``: the gradients reduced in bf16, as they are held
         self.reduce_itemsize = {} if plan.runtime.grad_dtype == "bf16" else _REDUCE_ITEMSIZE
+        #: Megatron-FSDP ``optim_grads_params`` (ZeRO-3 under ``megatron``): its buckets are its FSDP
+        #: units, the TransformerLayers (Megatron-LM 1e057005 megatron/core/distributed/custom_fsdp:
+        #: ``_get_parameter_groups`` puts a unit's parameters of one dtype and expert-ness in one
+        #: bucket, not split by ``bucket_size``, and groups a unit's buckets of one expert-ness,
+        #: ``bucket_group_of_bucket``; ``_post_backward`` hands all the unit's parameters to
+        #: ``GradReducePipeline.reduce_gradients`` when its backward is done, which reduce-scatters a
+        #: bucket group once all of it is ready, in one ``_coalescing_manager``). The parameters
+        #: outside the units (embedding, final norm, output layer) are bucketed by ``bucket_size``
+        #: as Megatron-Core's DDP is. Over the mesh dims of a step (the expert parameters' expert
+        #: data-parallel group, the others' data-parallel group) that is one reduce-scatter a
+        #: layer each. (``single`` keeps every gradient in one bucket, as the caller asks.)
+        self.units = self.framework == "megatron" and bool(plan.storage) and not single
         self.buckets: list[Bucket] = []
         self.open: dict[tuple[Any, ...], list[Any]] = {}  # key -> [tensors, bytes, ready, cap, layer]
         self.free = 0.0  # when the communication stream is free
@@ -90,8 +102,8 @@ class Reducer:
     def _time(self, kind: str, dims: tuple[int, ...], size: int) -> float:
         return time_of(self.cost, kind, dims, size, self.mesh.shape)
 
-    def _cap(self, kind: str, dims: tuple[int, ...], itemsize: int) -> float:
-        if self.single:
+    def _cap(self, kind: str, dims: tuple[int, ...], itemsize: int, unit: bool = False) -> float:
+        if self.single or unit:
             return math.inf
         if self.framework == "megatron":
             dp = math.prod(self.mesh.shape[d] for d in dims)
@@ -116,11 +128,25 @@ class Reducer:
 
     def add(self, dtype: str, s: Step, size: int, now: float, layer: str = "") -> None:
         """A gradient of ``size`` bytes (its own dtype) ready at ``now``, made in ``layer``
-        (torchtitan: a :data:`ROOT_LAYERS` gradient waits in the root's bucket for the end)."""
-        fsdp = self.framework in FSDP2 and s.kind == "reduce_scatter"
-        root = fsdp and self.framework == "torchtitan" and layer in ROOT_LAYERS
+        (torchtitan: a :data:`ROOT_LAYERS` gradient waits in the root's bucket for the end;
+        Megatron-FSDP: a layer's gradients wait for the layer's backward to end, then go in one
+        reduce-scatter a mesh-dims group, :attr:`units`)."""
+        rs = s.kind == "reduce_scatter"
+        unit = self.units and rs and layer not in ROOT_LAYERS
+        fsdp = unit or (self.framework in FSDP2 and rs)
+        # torchtitan's root waits for the end; Megatron-FSDP's parameters outside its units
+        # (embedding, final norm, output layer) keep Megatron's size buckets, apart from the units'
+        root = (fsdp and self.framework == "torchtitan" and layer in ROOT_LAYERS) or (self.units and rs and not unit)
         block = (s.kind, s.mesh_dims, s.reduce_type or "sum", dtype, False)
         key = (*block[:4], root)
+        if self.units and rs:
+            # Megatron-FSDP: the unit's post-backward hook reduces all its buckets once its
+            # backward is done (the first gradient of another layer shows it)
+            done = [k for k, v in self.open.items() if k[0] == "reduce_scatter" and not k[4] and v[4] != layer]
+            end = max((self.open[k][2] for k in done), default=now)  # the unit's last gradient
+            for k in done:
+                self.open[k][2] = end
+                self._launch(k, end, now)
         b = self.open.get(block)
         if b is not None and fsdp and b[4] != layer:
             self._launch(block, b[2], now)  # the previous layer's gradients are all made
@@ -128,7 +154,7 @@ class Reducer:
         itemsize = self.reduce_itemsize.get(dtype, 0)
         held, size = size, self.reduced_bytes(dtype, size)
         if b is None:
-            b = self.open[key] = [0, 0, now, self._cap(s.kind, s.mesh_dims, itemsize or 2), layer, 0]
+            b = self.open[key] = [0, 0, now, self._cap(s.kind, s.mesh_dims, itemsize or 2, unit), layer, 0]
         b[0] += 1
         b[1] += size
         b[5] += held
