@@ -12,7 +12,9 @@ datasheet peaks. Standard library only. docs/devices.md, "Achievable rates".
   ``K0`` is twice bf16's: its main loop runs at twice the rate, the prologue and epilogue do not).
 - Flash attention (:func:`attention_efficiency`): forward and backward separately, a fraction of
   the bf16 peak by kernel (FlashAttention-2, cuDNN), saturating in the
-  sequence length (``s / (s + S0)``, causal: half the sequence) and in the head dim.
+  sequence length (``s / (s + S0)``, causal: half the sequence) and in the head dim, a causal
+  pass at a share of the non-causal rate: ``S0``, ``D0`` and the share each kernel's own, fitted
+  to its published bars (benchmarks/fit_attention.py).
 - Memory-bound ops: a fraction of the datasheet HBM bandwidth (STREAM-like copy / triad).
 - A power limit below the board's rated power (``clock``, a device file's ``power_limit_w``:
   :func:`clock_at_power`): the tensor cores' sustained clock, hence every GEMM and attention
