@@ -5,11 +5,28 @@ framework's, and the ``triton`` kernel's A100 rates (flash-attention's pre-MLIR 
 
 from __future__ import annotations
 
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.cost.devices import DEVICES
-from spmdkit.cost.rates import A100_RATES, TRITON_A100_FIG4, attention_efficiency
+from spmdkit.cost.rates import (
+    A100_RATES,
+    CUDNN_H100_SHAPE,
+    FA2_A100_FIG4,
+    FA2_A100_SHAPE,
+    FA2_H100_SHAPE,
+    H100_RATES,
+    H200_RATES,
+    TRITON_A100_FIG4,
+    TRITON_A100_SHAPE,
+    attention_efficiency,
+)
 from spmdkit.engine.facts import OpCost
 from spmdkit.program.runtime import Runtime
 
@@ -101,3 +118,56 @@ def test_a_device_file_gives_a_kernel_its_shape() -> None:
         device_from_json({"base": "a100", "efficiency": {"attention_shape": {"triton": {"s0": 100}}}})
     with pytest.raises(ProgramError, match=r"efficiency\.attention_shape: unknown kernel 'flex'"):
         device_from_json({"base": "a100", "efficiency": {"attention_shape": {"flex": {"s0": 1, "d0": 1, "causal": 1}}}})
+
+
+# -- each kernel's shape from its own figures (benchmarks/fit_attention.py) ------------------------------
+
+
+def _fit_module() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fit_attention.py"
+    spec = importlib.util.spec_from_file_location("fit_attention_bench", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fit_attention_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(("gpu", "kernel", "preset", "rms"), [
+    ("a100", "triton", TRITON_A100_SHAPE, 0.061), ("a100", "fa2", FA2_A100_SHAPE, 0.021),
+    ("h100", "fa2", FA2_H100_SHAPE, 0.038), ("h100", "cudnn", CUDNN_H100_SHAPE, 0.070)])
+def test_the_fit_gives_the_preset_shape_and_reproduces_its_points(gpu: str, kernel: str, preset: tuple[float, ...],
+                                                                   rms: float) -> None:
+    fa = _fit_module()
+    f = fa.fit(gpu, kernel)
+    assert (f.s0, f.d0) == preset[:2] and f.share == pytest.approx(preset[2], abs=5e-4)
+    assert f.rms == pytest.approx(rms, abs=5e-4)
+    fitted = [p for p in fa.points(gpu, kernel) if p.head_dim <= 128]
+    errs = [math.log(fa.model(f, p, gpu) / p.tflops) for p in fitted]
+    assert math.sqrt(sum(e * e for e in errs) / len(errs)) == pytest.approx(f.rms, rel=1e-9)
+    assert max(abs(e) for e in errs) < 4 * f.rms
+
+
+def test_the_fa2_a100_fit_at_a_published_point() -> None:
+    # Figure 4 (d), FlashAttention-2, causal, d 128, 4k: 173 TFLOP/s; the fit's pair asymptote 0.668
+    # of 312 x the share 0.927 x 2048 / (2048 + 228) (D0 20 is 1 at d 128) = 173.9
+    fa = _fit_module()
+    f = fa.fit("a100", "fa2")
+    assert FA2_A100_FIG4[(True, 128)][3] == 173
+    assert fa.model(f, fa.Point("pair", True, 128, 4096, 173), "a100") == pytest.approx(173.9, abs=0.1)
+
+
+def test_attention_efficiency_gives_each_kernel_its_fitted_shape() -> None:
+    # fa2 on A100, forward, causal, d 64, 4k: 0.70 x 2048/2276 x (64/84)/(128/148) x 0.927 = 0.5144
+    got = attention_efficiency(A100_RATES, "fa2", False, 4096, 64, True)
+    assert got == pytest.approx(0.70 * 0.899824 * 0.880952 * 0.927, rel=1e-5)
+    assert got == pytest.approx(0.5144, abs=1e-4)
+    # cudnn on H100, backward, causal, d 128, 8k: the asymptote 516 / 989.5 / (16384 / 16592) =
+    # 0.52811, x 4096 / 4304 x 0.894 = 0.44930
+    got = attention_efficiency(H100_RATES, "cudnn", True, 8192, 128, True)
+    assert got == pytest.approx(516 / 989.5 / (16384 / 16592) * 4096 / 4304 * 0.894, rel=1e-9)
+    assert got == pytest.approx(0.4493, abs=1e-4)
+    # fa2 on H100 (and H200, the same chip), forward, non-causal, d 64, 2k: 329.483 / 989.5 / (4608 / 4816)
+    # = 0.34800, x 2048 / 2256 x (64/84)/(128/148) = 0.27831
+    for rates in (H100_RATES, H200_RATES):
+        assert attention_efficiency(rates, "fa2", False, 2048, 64, False) == pytest.approx(0.27831, abs=1e-5)

@@ -12,7 +12,9 @@ datasheet peaks. Standard library only. docs/devices.md, "Achievable rates".
   ``K0`` is twice bf16's: its main loop runs at twice the rate, the prologue and epilogue do not).
 - Flash attention (:func:`attention_efficiency`): forward and backward separately, a fraction of
   the bf16 peak by kernel (FlashAttention-2, cuDNN), saturating in the
-  sequence length (``s / (s + S0)``, causal: half the sequence) and in the head dim.
+  sequence length (``s / (s + S0)``, causal: half the sequence) and in the head dim, a causal
+  pass at a share of the non-causal rate: ``S0``, ``D0`` and the share each kernel's own, fitted
+  to its published bars (benchmarks/fit_attention.py).
 - Memory-bound ops: a fraction of the datasheet HBM bandwidth (STREAM-like copy / triad).
 - A power limit below the board's rated power (``clock``, a device file's ``power_limit_w``:
   :func:`clock_at_power`): the tensor cores' sustained clock, hence every GEMM and attention
@@ -140,7 +142,7 @@ _A100_GEMM = 267.9 / 312
 #: seq 512, 1k, 2k, 4k, 8k, 16k:
 TRITON_A100_FIG4 = {(False, 64): (90, 102, 98, 98, 100, 100), (False, 128): (78, 85, 90, 93, 95, 95),
                     (True, 64): (59, 75, 79, 76, 79, 80), (True, 128): (50, 61, 68, 74, 78, 80)}
-#: fitted to those 24 points alone (least squares in log; benchmarks/fit_triton_attention.py):
+#: fitted to those 24 points alone (least squares in log; benchmarks/fit_attention.py):
 #: the pair's asymptote 0.3194 of 312 non-causal, its causal asymptote 0.804 of it (the Triton
 #: kernel's causal bars level off at 80, its non-causal at 95-100: this kernel does not reach its
 #: non-causal rate on the masked diagonal's blocks), ``S0`` 108 and ``D0`` 0 (its head dim 64 runs
@@ -151,10 +153,21 @@ _TRITON_PAIR, _TRITON_FB = 0.3194, 0.70 / 0.58
 _TRITON_BWD = _TRITON_PAIR * (1 / _TRITON_FB + 2.5) / 3.5
 TRITON_A100 = (_TRITON_FB * _TRITON_BWD, _TRITON_BWD)
 TRITON_A100_SHAPE = (108.0, 0.0, 0.804)
+#: ``fa2`` on the same A100s, the same Figure 4 (the repo's assets/flash2_a100_fwd_bwd_benchmark.png),
+#: the bars "FlashAttention-2", same keys and sequences (the labels of (a) 1k, (b) 512 and (b) 1k lie
+#: under the legend: read from the bar heights against the labelled bars of the panel, 152.2, 151.0,
+#: 172.9 TFLOP/s; (a) 1k's label shows its last digit, 3):
+FA2_A100_FIG4 = {(False, 64): (132, 153, 162, 171, 175, 176), (False, 128): (151, 173, 187, 196, 201, 203),
+                 (True, 64): (88, 119, 140, 156, 165, 171), (True, 128): (99, 133, 155, 173, 182, 189)}
+#: fitted to those 24 points alone (benchmarks/fit_attention.py, the ``triton`` fit's form and least
+#: squares): ``S0`` 228, ``D0`` 20 (head dim 64 runs at 0.88 of 128), causal share 0.927; rms
+#: error 2.1%. Its pair asymptote, 0.668 of 312, is above the 0.610 the 0.70 / 0.58 entry gives
+#: (``3.5 / (1/0.70 + 2.5/0.58)``), which is kept (docs/devices.md, "Each kernel's shape from its own figures")
+FA2_A100_SHAPE = (228.0, 20.0, 0.927)
 A100_RATES = Rates(108, {"bf16": _A100_GEMM, "fp16": _A100_GEMM, "tf32": _A100_GEMM, "fp32": 0.95},
                    {"fa2": (0.70, 0.58), "triton": TRITON_A100}, {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.86,
                    gemm_k={"bf16": 16384, "fp16": 16384, "tf32": 16384}, speed_sd=GPU_SPEED_SD,
-                   attention_shape={"triton": TRITON_A100_SHAPE})
+                   attention_shape={"triton": TRITON_A100_SHAPE, "fa2": FA2_A100_SHAPE})
 A100_40_RATES = Rates(108, A100_RATES.gemm, A100_RATES.attention, A100_RATES.attention_kernel, hbm=0.88,
                       gemm_k=A100_RATES.gemm_k, speed_sd=GPU_SPEED_SD, attention_shape=A100_RATES.attention_shape)
 #: H100 SXM5: 132 SMs (NVIDIA H100 whitepaper). bf16 ceiling 792.1 / 989 (mamf-finder, CUDA 12.1,
@@ -164,8 +177,35 @@ A100_40_RATES = Rates(108, A100_RATES.gemm, A100_RATES.attention, A100_RATES.att
 _H100_GEMM = 792.1 / 989
 _H100_FP8 = 1402.6 / 1979
 _H100_GEMM_K = {"bf16": 17920, "fp16": 17920, "tf32": 17920, "fp8": 14336}
+#: FlashAttention-2 on H100 80GB SXM5, forward + backward, the repo's
+#: assets/flash2_h100_fwd_bwd_benchmark.png (Dao-AILab/flash-attention 4f285b35; the FlashAttention-2
+#: bars, Figure 4's setup and FLOP count): (causal, head dim) -> TFLOP/s at seq 512 .. 16k:
+FA2_H100_PAIR = {(False, 64): (215, 254, 274, 288, 294, 296), (False, 128): (248, 294, 320, 326, 335, 338),
+                 (True, 64): (141, 192, 232, 257, 273, 284), (True, 128): (163, 221, 265, 294, 308, 328)}
+#: the FlashAttention-3 paper (Shah et al. 2024, arXiv 2407.08608) on H100 80GB SXM5, bf16, batch
+#: 16k / seq, hidden 2048, the same sequences: its forward figure (the repo's assets/flash3_fp16_fwd.png
+#: at 7ef24848), (kernel, causal, head dim) -> TFLOP/s, the bars "FlashAttention-2" and "cuDNN":
+FA3_H100_FWD = {("fa2", False, 64): (282, 306, 318, 321, 322, 324), ("fa2", True, 64): (180, 229, 262, 284, 295, 299),
+                ("fa2", False, 128): (309, 350, 362, 368, 370, 370), ("fa2", True, 128): (191, 260, 298, 319, 333, 335),
+                ("fa2", False, 256): (275, 313, 321, 323, 324, 326), ("fa2", True, 256): (208, 251, 278, 293, 297, 298),
+                ("cudnn", False, 64): (335, 373, 395, 408, 412, 413), ("cudnn", True, 64): (225, 288, 334, 363, 379, 388),
+                ("cudnn", False, 128): (497, 574, 617, 609, 600, 595), ("cudnn", True, 128): (315, 410, 484, 518, 529, 539),
+                ("cudnn", False, 256): (470, 546, 580, 581, 580, 581), ("cudnn", True, 256): (308, 391, 450, 483, 497, 509)}
+#: (every label checked against its bar's height: one scale per panel to 1%). Its backward figure
+#: (non-causal only) is not in the repo and not read here as an image: its values as public
+#: transcriptions of the paper's figure give them (head dim 128: two, which agree, and agree with the
+#: 322 and 516 cited below; head dim 64: one, the other agreeing to 2k), (kernel, head dim) -> TFLOP/s:
+FA3_H100_BWD = {("fa2", 64): (198, 238, 264, 279, 287, 291), ("fa2", 128): (214, 260, 291, 310, 318, 322),
+                ("cudnn", 64): (266, 348, 395, 417, 432, 433), ("cudnn", 128): (305, 408, 465, 499, 518, 516)}
+#: each kernel's shape fitted to its points above of head dim <= 128 (benchmarks/fit_attention.py:
+#: the form caps the head-dim term at 1 above 128; an asymptote per pass, one shape): ``fa2`` (60
+#: points: the pair, forward and backward) ``S0`` 208, ``D0`` 20, causal share 0.904, rms 3.8%;
+#: ``cudnn`` (36 points: forward and backward) ``S0`` 208, ``D0`` 72, causal share 0.894, rms 7.0%
+FA2_H100_SHAPE = (208.0, 20.0, 0.904)
+CUDNN_H100_SHAPE = (208.0, 72.0, 0.894)
 #: Flash attention on H100 SXM5 at head dim 128 (each asymptote = the cited TFLOP/s / 989.5 / the
-#: sequence saturation at the cited length, so the model gives the cited figure there):
+#: sequence saturation, the kernel's ``S0``, at the cited length, so the model gives the cited figure
+#: there):
 #: - ``fa2``, torch's ``scaled_dot_product_attention`` (its flash backend, FlashAttention-2; cuDNN is
 #:   opt-in since pytorch/pytorch#138522, 2.5.1): forward 329.483 TFLOP/s at (batch 1, 24 heads,
 #:   4608 tokens), non-causal, torch 2.6.0.dev20241204 (pytorch/pytorch#142132, tritonbench);
@@ -173,8 +213,11 @@ _H100_GEMM_K = {"bf16": 17920, "fp16": 17920, "tf32": 17920, "fp8": 14336}
 #:   figure, head dim 128).
 #: - ``cudnn``, Transformer Engine's fused attention (cuDNN): 595 forward, 516 backward at 16k, the
 #:   same paper's non-causal head-dim-128 figures.
-_FA2_H100 = (329.483 / 989.5 / (4608 / (4608 + 256)), 322 / 989.5 / (16384 / (16384 + 256)))
-_CUDNN_H100 = (595 / 989.5 / (16384 / (16384 + 256)), 516 / 989.5 / (16384 / (16384 + 256)))
+_FA2_H100 = (329.483 / 989.5 / (4608 / (4608 + FA2_H100_SHAPE[0])),
+             322 / 989.5 / (16384 / (16384 + FA2_H100_SHAPE[0])))
+_CUDNN_H100 = (595 / 989.5 / (16384 / (16384 + CUDNN_H100_SHAPE[0])),
+               516 / 989.5 / (16384 / (16384 + CUDNN_H100_SHAPE[0])))
+_H100_SHAPE = {"fa2": FA2_H100_SHAPE, "cudnn": CUDNN_H100_SHAPE}
 #: GH100 (132 SMs) at two board powers, NVIDIA's datasheets: H100 SXM at 700 W, dense bf16 989.5
 #: TFLOP/s (1,979 with sparsity); H100 NVL at 350-400 W, 835.5 (1,671 with sparsity): the same
 #: SMs at the tensor-core clock NVIDIA rates for 400 W, 0.844 of the SXM's. torchtitan's H100
@@ -184,16 +227,16 @@ HOPPER_POWER = ((400.0, 835.5 / 989.5), (700.0, 1.0))
 #: the share of mamf-finder's and the attention papers' H100 rates sustained through training
 #: steps (:attr:`Rates.sustained`), calibrated on the published H100 runs (docs/devices.md,
 #: "Sustained rates")
-HOPPER_SUSTAINED = 0.823
+HOPPER_SUSTAINED = 0.843
 H100_RATES = Rates(132, {"bf16": _H100_GEMM, "fp16": _H100_GEMM, "tf32": _H100_GEMM, "fp32": 0.95, "fp8": _H100_FP8},
                    {"fa2": _FA2_H100, "cudnn": _CUDNN_H100}, {"megatron": "cudnn", "torchtitan": "fa2"},
                    hbm=0.90, power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K,
-                   sustained=HOPPER_SUSTAINED, speed_sd=GPU_SPEED_SD)
+                   sustained=HOPPER_SUSTAINED, speed_sd=GPU_SPEED_SD, attention_shape=_H100_SHAPE)
 #: H200 SXM5: the H100's GPU (132 SMs, the same peaks) with HBM3e at 4.8 TB/s; its larger power
 #: budget holds clocks a little better (GH200 0.83): the H100's fractions, HBM ~0.88.
 H200_RATES = Rates(132, H100_RATES.gemm, H100_RATES.attention, H100_RATES.attention_kernel, hbm=0.88,
                    power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K, sustained=HOPPER_SUSTAINED,
-                   speed_sd=GPU_SPEED_SD)
+                   speed_sd=GPU_SPEED_SD, attention_shape=_H100_SHAPE)
 
 
 def clock_at_power(rates: Rates, watts: float, name: str) -> float:
@@ -464,6 +507,7 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
 
 
 __all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "GPU_SPEED_SD", "H100_RATES", "H200_RATES", "HOPPER_POWER", "HOPPER_SUSTAINED", "K0_SCALE", "RowGroup", "TILES",
-           "TRITON_A100", "TRITON_A100_FIG4", "TRITON_A100_SHAPE",
+           "TRITON_A100", "TRITON_A100_FIG4", "TRITON_A100_SHAPE", "FA2_A100_FIG4", "FA2_A100_SHAPE",
+           "FA2_H100_PAIR", "FA3_H100_FWD", "FA3_H100_BWD", "FA2_H100_SHAPE", "CUDNN_H100_SHAPE",
            "Rates", "attention_efficiency", "clock_at_power", "gemm_efficiency", "measured_attention", "measured_gemm", "parse_rates",
            "expected_tiles", "grouped_efficiency", "grouped_tile_utilisation", "tile_wave_utilisation"]
