@@ -715,13 +715,14 @@ def test_nemo_runs_are_expressed_or_named_unsupported() -> None:
             assert case.argv[0] == "plan" and case.gpus == row["hardware"]["num_gpus"], row["id"]
             assert case.metric == "tokens_per_sec_per_gpu" and "--cross-entropy-fusion" in case.argv
             assert _opt(case.argv, "--grad-dtype") == "bf16" and _opt(case.argv, "--precision") == "fp8"
-    # Qwen3-30B-A3B's recipe from Megatron-Bridge v0.4.0 on: HybridEP; Llama 3 8B of 25.11: the first 5 of 32
-    # layers recomputed (recompute_method block) without a pipeline
+    # Qwen3-30B-A3B's recipe from Megatron-Bridge v0.4.0 on: HybridEP
     assert reasons == {
         "MoE dispatcher hybridep": ["nemo2606_h100_fp8_qwen3_30b_a3b_16gpu", "nemo260401_h100_fp8_qwen3_30b_a3b_16gpu",
-                                    "nemo2604_h100_fp8_qwen3_30b_a3b_16gpu"],
-        "full recomputation of K layers without a pipeline (--recompute full:K needs pp)":
-            ["nemo2511_h100_fp8_llama3_8b_8gpu"]}
+                                    "nemo2604_h100_fp8_qwen3_30b_a3b_16gpu"]}
+    # Llama 3 8B of 25.11: the first 5 of 32 layers recomputed (recompute_method block) without a pipeline
+    with tempfile.TemporaryDirectory() as d:
+        case = FID.express(NEMO["nemo2511_h100_fp8_llama3_8b_8gpu"], Path(d))
+    assert _opt(case.argv, "--recompute") == "full:5" and _opt(case.argv, "--mesh") == "dp=8,tp=1"
     assert len(NEMO) == 27 and sum(1 for r in NEMO.values() if r["model"]["moe"]) == 14
     assert {r["id"].split("_")[0] for r in NEMO.values()} == {
         "nemo2509", "nemo2511", "nemo2602", "nemo260201", "nemo2604", "nemo260401", "nemo2606"}

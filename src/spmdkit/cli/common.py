@@ -19,7 +19,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens
 from spmdkit.cost.devices import cost_model, load_device, recost
-from spmdkit.cost.memory import Memory
+from spmdkit.cost.memory import Memory, recompute_layers, recompute_regions
 from spmdkit.cost.step import StepEstimate, estimate_step
 from spmdkit.models import catalog
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, load
@@ -29,6 +29,7 @@ from spmdkit.outputs.export_torch import export_torch
 from spmdkit.outputs.html import save_html
 from spmdkit.planner.auto import AutoInfo
 from spmdkit.planner.planning import clip_repr, parse_size, plan_preset, plan_program
+from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import hf_cp
 from spmdkit.strategies.experts import tp_chunks
@@ -101,6 +102,17 @@ def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
         return plan, None
     tokens = config.batch * config.seq if config is not None else guess_tokens(plan.program)
     return plan, estimate_step(plan, device, tokens, recompute)
+
+
+def block_recompute(prog: Program, recompute: str) -> str:
+    """``--recompute full:K`` of a plan without a pipeline: ``full`` where K is every layer of
+    ``prog`` (Megatron-Core's block method then checkpoints each layer, as full recomputation
+    does), else ``recompute``; a ProgramError naming ``--recompute`` where K is more than its layers
+    (:func:`spmdkit.cost.memory.recompute_regions`)."""
+    if recompute_layers(recompute) is not None and \
+            len(recompute_regions(prog, recompute)) == len(recompute_regions(prog, "full")):
+        return "full"
+    return recompute
 
 
 def require_simulator() -> None:
@@ -193,4 +205,4 @@ def auto_json(info: AutoInfo, cap: int | None) -> dict[str, Any]:
             "explain": [e.to_json() for e in info.explain]}
 
 
-__all__ = ["auto_items", "auto_json", "auto_time_limit", "catalog_batch", "export_plan_file", "mesh_dp", "plan_source", "step_estimate", "strategy_notes", "write_html"]
+__all__ = ["auto_items", "auto_json", "auto_time_limit", "block_recompute", "catalog_batch", "export_plan_file", "mesh_dp", "plan_source", "step_estimate", "strategy_notes", "write_html"]

@@ -19,6 +19,7 @@ from spmdkit.cli.common import (
     auto_items,
     auto_json,
     auto_time_limit,
+    block_recompute,
     catalog_batch,
     export_plan_file,
     mesh_dp,
@@ -148,6 +149,7 @@ def _run_plan(req: PlanRequest, out: TextIO) -> int:
     first, *notes = loaded.title.split("\n")  # an HF title's warning and note lines stay below its first
     title = "\n".join([first + (f"; strategy {strategy}" if strategy else ""), *notes])
     config = loaded.model.config if loaded.model is not None else None
+    recompute = block_recompute(plan.program, recompute)  # full:K: the first K layers of the model
     plan, est = step_estimate(req.links, plan, config, recompute)
     mem = memory_per_device(plan, recompute)
     export_plan_file(req, plan)
@@ -161,7 +163,7 @@ def _run_plan(req: PlanRequest, out: TextIO) -> int:
                                 fallback=source.fallback)
         else:
             verdict = verify_strategy(req.model.model, req.mesh_text, strategy or "megatron", req.links.cost)
-    write_html(req, plan, title, mem, est, config)
+    write_html(req, plan, title, mem, est, config, recompute=recompute)
     if req.outputs.json:
         extra: dict[str, Any] = {"title": title, "plan_seconds": secs}
         if verdict is not None:
@@ -262,9 +264,10 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
               f"{info.candidates} candidates, predicted {'compute + ' if device else ''}communication "
               f"{info.objective_s * 1e3:.3f} ms, realised {info.realized}, {info.merged_ops} ops merged, "
               f"{info.folded_layers} layers folded" + (f", memory cap {cap / 2**30:.2f} GiB" if cap else ""))
+    recompute = block_recompute(plan.program, recompute)
     plan, est = step_estimate(req.links, plan, config, recompute)
     mem = memory_per_device(plan, recompute)
-    write_html(req, plan, title, mem, est, config, auto=info)
+    write_html(req, plan, title, mem, est, config, recompute=recompute, auto=info)
     export_plan_file(req, plan)
     verdict = None
     if req.verify:

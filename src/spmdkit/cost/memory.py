@@ -209,9 +209,9 @@ MICROBATCH = "microbatch"
 
 
 def recompute_layers(mode: str) -> int | None:
-    """K of ``full:K`` (full recomputation of the first K layers of each pipeline stage, as
-    Megatron-LM's ``--recompute-granularity full --recompute-method block
-    --recompute-num-layers K``), None for the other modes."""
+    """K of ``full:K`` (full recomputation of the first K layers of each pipeline stage, of the
+    model without a pipeline, as Megatron-LM's ``--recompute-granularity full --recompute-method
+    block --recompute-num-layers K``), None for the other modes."""
     if isinstance(mode, str) and mode.startswith("full:"):
         k = mode[5:]
         if not (k.isascii() and k.isdigit() and 1 <= len(k) <= 6 and int(k) >= 1):
@@ -221,13 +221,11 @@ def recompute_layers(mode: str) -> int | None:
 
 
 def check_recompute(mode: str, pipeline: bool = False) -> str:
-    """``mode`` if it is one of :data:`RECOMPUTE` (or, for a pipeline, :data:`MICROBATCH` and
-    ``full:K``, :func:`recompute_layers`), else a ProgramError naming ``--recompute``."""
-    if pipeline and (mode == MICROBATCH or recompute_layers(mode) is not None):
+    """``mode`` if it is one of :data:`RECOMPUTE`, ``full:K`` (:func:`recompute_layers`; K is
+    checked against the layers by :func:`recompute_regions`) or, for a pipeline,
+    :data:`MICROBATCH`, else a ProgramError naming ``--recompute``."""
+    if recompute_layers(mode) is not None or (pipeline and mode == MICROBATCH):
         return mode
-    if isinstance(mode, str) and mode.startswith("full:"):
-        raise ProgramError(f"--recompute {mode[:40]}: full recomputation of K layers per stage applies to a "
-                           f"pipeline (give --mesh with a pp dim)")
     if mode == MICROBATCH:
         raise ProgramError(f"--recompute {MICROBATCH}: microbatch-level recomputation applies to a pipeline "
                            f"(give --mesh with a pp dim)")
@@ -274,13 +272,21 @@ def recompute_regions(prog: Program, mode: str, framework: str = "megatron") -> 
     """The forward ops run again in the backward, as regions (op indices in program order):
     one per attention core (``selective``; under ``framework`` torchtitan, its op-level policy:
     :func:`~spmdkit.cost.recompute_modules.op_sac`), per transformer layer (``full``) or per
-    named module (``selective:M1,M2``: :mod:`spmdkit.cost.recompute_modules`); none for ``none``."""
+    named module (``selective:M1,M2``: :mod:`spmdkit.cost.recompute_modules`), per layer of the
+    first K in program order (``full:K`` without a pipeline: Megatron-Core's TransformerBlock
+    ``_checkpointed_forward``, method block, checkpoints layers 0 .. K-1 of its chunk, the whole
+    model at pp = 1; the embedding and head are no layer); none for ``none``."""
     check_recompute(mode)
     fwd = [i for i, op in enumerate(prog.ops) if op.phase == "forward"]
     if mode == "none":
         return []
-    if mode == "full":
-        return _layer_groups(prog, fwd, mode)
+    k = recompute_layers(mode)
+    if mode == "full" or k is not None:
+        groups = _layer_groups(prog, fwd, mode)
+        if k is not None and k > len(groups):
+            raise ProgramError(f"--recompute {mode}: recomputes the first {k} layers, but the model has "
+                               f"{len(groups)} (give K from 1 to {len(groups)})")
+        return groups[:k]
     mods = recompute_modules(mode)
     if framework == "torchtitan" and mods is None:
         return [r for r in (op_sac(prog, g) for g in _layer_groups(prog, fwd, mode)) if r]
@@ -321,13 +327,14 @@ class ActivationMemory:
     bytes; ``tensors``: layer label -> [(tensor, bytes)]; ``recomputed``: the forward ops run
     again in the backward (regions, op indices); ``regathered``: tensors kept as their
     producer's shard and all-gathered again for the backward (tensor, index of the output
-    reshard that gathered them in the forward)."""
+    reshard that gathered them in the forward); ``layers``: the layers recomputed under ``full:K``."""
 
     recompute: str
     per_layer: dict[str, int]
     tensors: dict[str, list[tuple[str, int]]]
     recomputed: list[list[int]] = field(default_factory=list)
     regathered: list[tuple[str, int]] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -340,7 +347,8 @@ class ActivationMemory:
         return {"recompute": self.recompute, "total": self.total, "per_layer": dict(self.per_layer),
                 "tensors": {k: [list(t) for t in v] for k, v in self.tensors.items()},
                 "recomputed_ops": sum(len(r) for r in self.recomputed),
-                "regathered": [t for t, _ in self.regathered]}
+                "regathered": [t for t, _ in self.regathered],
+                **({"recomputed_layers": list(self.layers)} if self.layers else {})}
 
 
 def value_reads(prog: Program) -> dict[str, list[int]]:
@@ -440,7 +448,8 @@ def saved_activations(plan: Plan, recompute: str = "none", only: Collection[str]
         label = layer_of[n]
         per_layer[label] = per_layer.get(label, 0) + b
         tensors.setdefault(label, []).append((n, b))
-    return ActivationMemory(recompute, per_layer, tensors, regions, regathered)
+    layers = [prog.ops[r[0]].layer for r in regions] if recompute_layers(recompute) else []
+    return ActivationMemory(recompute, per_layer, tensors, regions, regathered, layers)
 
 
 def recompute_inputs(plan: Plan, saved: ActivationMemory) -> dict[str, int]:

@@ -42,6 +42,7 @@ from spmdkit.cost.band import error_band
 from spmdkit.cost.compute import guess_tokens, kernel_collectives
 from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory import (
+    MICROBATCH,
     Memory,
     activation_deltas,
     fit_verdict,
@@ -838,7 +839,8 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
     program, compared in the search section; ``command``: the command line that made the page
     (shown with spmdkit's version at its foot)."""
     prog = plan.program
-    recompute = per_microbatch_mode(recompute)  # a pipeline's microbatch-level mode: its recomputed microbatches
+    if pipeline is not None or recompute == MICROBATCH:  # a pipeline's modes: those of its microbatches
+        recompute = per_microbatch_mode(recompute)  # (without one, full:K: the model's first K layers)
     mem = memory or memory_per_device(plan, recompute)
     assumed = None
     est = estimate

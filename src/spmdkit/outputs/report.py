@@ -134,7 +134,8 @@ def memory_rows(mem: Memory, peak_op: str) -> list[list[str]]:
     saved = getattr(mem, "saved", None)
     if saved is not None and saved.per_layer:
         per = [b for k, b in saved.per_layer.items() if re.search(r"\d", k)]
-        rows.append([f"kept for the backward (recompute {saved.recompute})",
+        which = saved.layers[0] + (f" to {saved.layers[-1]}" if len(saved.layers) > 1 else "") if saved.layers else ""
+        rows.append([f"kept for the backward (recompute {saved.recompute}" + (f": {which} recomputed)" if which else ")"),
                      fmt_bytes(saved.total) + (f"; {'' if min(per) == max(per) else 'up to '}"
                                                f"{fmt_bytes(max(per))} per layer" if per else "")])
     rows.append(["allocated (peak, torch max_memory_allocated)", fmt_bytes(mem.total)])
