@@ -90,3 +90,39 @@ def test_run_schedule_times_every_step_by_the_chunk_plan() -> None:
     assert run.busy_s == pytest.approx([m * v * 19.0 - 17.0, m * v * 19.0 - 23.0])
     plain = run_schedule("interleaved", p, v, m, [7.0] * 4, [12.0] * 4)
     assert run.pipeline_s < plain.pipeline_s
+
+
+def test_a_layers_ops_cut_into_the_nodes() -> None:
+    """One MoE layer's ops (seconds; the all-to-all part of an op's wait after its own work), cut at
+    its all-to-alls: forward attention norm 1 and attention 2, pre-MLP norm 0.5, the dispatch op
+    0.25 (+1 all-to-all), the experts 3 and their activation 0.75, the rows 0 (+1), the combine 0.1;
+    backward the combine's gradient 0.2 (+1), the experts' gradient 4 (half weight gradient), the
+    dispatch's gradient 0.1 (+1), the attention's 2 (half weight gradient). Under selective
+    recomputation of the two norms and the activation, the attention norm runs again in the
+    attention's backward, the pre-MLP norm (read by the dispatch) and the activation in the experts'
+    (Megatron-Core registers the pre-MLP norm's recompute on the experts' output)."""
+    from types import SimpleNamespace
+
+    from spmdkit.planner.chunk_ops import chunk_ops
+
+    def op(phase: str, reads: list[str], makes: list[str], rule: str = "op") -> SimpleNamespace:
+        return SimpleNamespace(phase=phase, layer="layer 0", rule=rule, input_names=lambda: reads,
+                               output_names=lambda: makes)
+
+    # the dispatch reads the pre-MLP norm's output through a reshape (0 s)
+    ops = [op("forward", ["x"], ["n1"]), op("forward", ["n1"], ["a"]), op("forward", ["a"], ["n2"]),
+           op("forward", ["n2"], ["c"], "reshape"), op("forward", ["c"], ["d"]), op("forward", ["d"], ["h"]),
+           op("forward", ["h"], ["e"]),
+           op("forward", ["e"], ["r"]), op("forward", ["r"], ["y"]),
+           op("backward", ["gy"], ["gr"]), op("backward", ["gr"], ["gd"]), op("backward", ["gd"], ["gn2"]),
+           op("backward", ["gn2"], ["gx"])]
+    times = [1.0, 2.0, 0.5, 0.0, 1.25, 3.0, 0.75, 1.0, 0.1, 1.2, 4.0, 1.1, 2.0]
+    a2a = {4: 1.0, 7: 1.0, 9: 1.0, 11: 1.0}
+    prog = SimpleNamespace(ops=ops)
+    (chunk,) = chunk_ops(prog, [0] * len(ops), 1, times, a2a, {0, 2, 6}, {10: 0.5, 12: 0.5})  # type: ignore[arg-type]
+    (got,) = chunk.layers
+    want = LayerOps(attn_f=3.75, dispatch_f=1.0, mlp_f=3.75, combine_f=1.0, after_f=0.1, after_b=0.2, combine_b=1.0,
+                    mlp_b=3.35, mlp_dw=2.0, dispatch_b=1.0, attn_b=2.0, attn_dw=1.0)
+    assert got.moe and got.__dict__ == pytest.approx(want.__dict__)
+    assert chunk.forward_s == pytest.approx(sum(times[:9]))
+    assert chunk.backward_s == pytest.approx(sum(times[9:]) + 1.0 + 0.5 + 0.75)

@@ -13,9 +13,11 @@ gradients) run in the ``moe_combine`` node's backward, then the all-to-all, the 
 An op's wait on an all-to-all is after its own work (the dispatch's all-to-all of what it made).
 A weight-gradient op's W share (:func:`spmdkit.planner.zero_bubble.weight_shares`) runs in its
 node's ``backward_dw`` (``--delay-wgrad-compute``). A recomputed forward op (``--recompute
-selective``: layernorm, moe_act) runs again in the backward of its own node (Megatron-Core's
-``CheckpointWithoutOutput``: the pre-MLP layernorm's recompute registered on the experts' output,
-the activation's inside the experts). The ops outside the layers are the chunk's ``pre_process``
+selective``: layernorm, moe_act) runs again in the backward of its own node, but for the pre-MLP
+norm (the op whose output the dispatch reads, through views), which runs again in the experts' backward
+(Megatron-Core's ``CheckpointWithoutOutput``: ``submodule_moe_forward`` registers the pre-MLP
+layernorm's recompute on the experts' output; the activation's runs inside the experts, the
+input layernorm's on the attention's output). The ops outside the layers are the chunk's ``pre_process``
 (before its first layer: the embedding) and ``post_process`` (after its last: final norm, head,
 loss), their gradients in the backward's order.
 """
@@ -33,6 +35,8 @@ from spmdkit.program.layers import layer_tags
 _FWD = ("attn_f", "mlp_f", "after_f")
 _BWD = (("after_b", "mlp_dw"), ("mlp_b", "mlp_dw"), ("attn_b", "attn_dw"))
 _A2A = {"forward": ("dispatch_f", "combine_f"), "backward": ("combine_b", "dispatch_b")}
+#: ops that only view their input (no work): the dispatch reads the pre-MLP norm through them
+_VIEWS = frozenset({"reshape", "transpose", "squeeze", "unsqueeze", "flatten", "view"})
 
 
 def chunk_ops(prog: Program, stages: list[int], n: int, times: list[float], a2a: dict[int, float],
@@ -41,6 +45,23 @@ def chunk_ops(prog: Program, stages: list[int], n: int, times: list[float], a2a:
     seconds ``times`` (its work and waits), the expert all-to-all part of its wait ``a2a``, the
     recomputed forward ops ``rerun`` and the weight-gradient shares ``shares`` (module docstring)."""
     tags = set(layer_tags(prog))
+    # each layer's dispatch (its forward's first op waiting on an all-to-all): what it reads,
+    # through views (a reshape into the chunks Megatron's ETP = 1 path routes)
+    dispatch_reads: dict[str, set[str]] = {}
+    made_by: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
+        if op.phase != "forward":
+            continue
+        if a2a.get(i, 0.0) > 0.0 and op.layer not in dispatch_reads:
+            reads, todo = set(op.input_names()), list(op.input_names())
+            while todo:
+                j = made_by.get(todo.pop(), -1)
+                if j >= 0 and prog.ops[j].rule in _VIEWS:
+                    todo += [x for x in prog.ops[j].input_names() if x not in reads]
+                    reads.update(prog.ops[j].input_names())
+            dispatch_reads[op.layer] = reads
+        for x in op.output_names():
+            made_by[x] = i
     layers: list[dict[str, dict[str, float]]] = [{} for _ in range(n)]
     rest = [{"pre_f": 0.0, "post_f": 0.0, "post_b": 0.0, "pre_b": 0.0} for _ in range(n)]
     seg: dict[tuple[str, str], int] = {}  # (phase, layer) -> the all-to-alls passed so far
@@ -65,8 +86,9 @@ def chunk_ops(prog: Program, stages: list[int], n: int, times: list[float], a2a:
         work = t - wait
         if fwd:
             _add(got, _FWD[min(k, 2)], work)
-            if i in rerun:
-                _add(got, _BWD[2 - min(k, 2)][0], work)
+            if i in rerun:  # the pre-MLP norm the dispatch reads: again in the experts' backward
+                mlp = k == 0 and bool(dispatch_reads.get(op.layer, set()) & set(op.output_names()))
+                _add(got, "mlp_b" if mlp else _BWD[2 - min(k, 2)][0], work)
         else:
             b, w = _BWD[min(k, 2)]
             share = shares.get(i, 0.0)
