@@ -15,6 +15,7 @@ from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import preset_device
 from spmdkit.planner.bubble import bubble_hint
+from spmdkit.planner.chunk_plan import ChunkOps, LayerOps
 from spmdkit.planner.pipeline import estimate_pipeline, parse_spec, plan_pipeline
 from spmdkit.planner.schedules import (
     held_counts,
@@ -74,9 +75,15 @@ def test_group_with_the_all_to_all_overlap() -> None:
     assert interleaved_warmup(4, 2, 16, 0, 1, group=8) == 15
     assert in_flight("interleaved", 4, 2, 16, 0, 1, group=8) == 8.0
     n = 8
-    run = run_schedule("interleaved", 4, 2, 16, [1.0] * n, [2.0] * n, a2a=[(0.25, 0.5)] * n, group=8)
-    # each merged step hides min(a_F, B - a_B) + min(a_B, F - a_F) = 0.25 + 0.5 of the all-to-alls
-    assert run.hidden_s[0] == pytest.approx(17 * 0.75)
+    # one layer a chunk: forward 0.75 of attention, 0.125 + 0.125 of dispatch and combine; backward
+    # 0.25 + 0.25 of combine and dispatch, 1.5 of the experts' gradients
+    chunk = ChunkOps((LayerOps(attn_f=0.75, dispatch_f=0.125, combine_f=0.125, combine_b=0.25, dispatch_b=0.25,
+                               mlp_b=1.5),))
+    run = run_schedule("interleaved", 4, 2, 16, [1.0] * n, [2.0] * n, a2a=[chunk] * n, group=8)
+    # each merged step (Megatron's nodes): combine_b beside attn_f 0-0.75, mlp_b 0.75-2.25 (dispatch_f
+    # beside it), dispatch_b 2.25-2.5, combine_f 2.5-2.625: 2.625 of 3, hiding 0.375; a lone
+    # backward has nothing to hide its all-to-alls under
+    assert run.hidden_s[0] == pytest.approx(17 * 0.375)
 
 
 def test_larger_group_hides_the_sends() -> None:

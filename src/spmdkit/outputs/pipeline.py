@@ -61,7 +61,8 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
     if run.hidden_s:
         r = max(range(p), key=lambda d: run.busy_s[d])
         a2a = sum(m * (st.a2a_forward_s + st.a2a_backward_s) for st in est.stages[r::p])
-        out.write(f"ep all-to-all overlap (--ep-comm-overlap): the steady state's merged forwards and backwards hide "
+        out.write(f"ep all-to-all overlap (--ep-comm-overlap): the merged forwards and backwards (and the lone "
+                  f"backwards' weight gradients) hide "
                   f"{fmt_time(run.hidden_s[r])} of the busiest device's {fmt_time(a2a)} of expert all-to-alls "
                   f"(one more warm-up forward per device)\n")
     when = "each microbatch's backward (Megatron-FSDP: its ZeRO gradients reduce-scattered in every one)" \

@@ -75,6 +75,7 @@ from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramF
 from spmdkit.models.zoo import Model, preset
 from spmdkit.planner.auto import AutoInfo
 from spmdkit.planner.auto.stage import StageSearch, auto_stage
+from spmdkit.planner.chunk_plan import ChunkOps
 from spmdkit.planner.ep_overlap import check_ep_comm_overlap
 from spmdkit.planner.partition import UnitCosts, balanced_split, even_split, partition, simulate_split, stage_loads
 from spmdkit.planner.pipeline_memory import TORCH_SCHEDULES, ChunkBytes, torch_order, torch_rank_memory
@@ -492,7 +493,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
            + (c.forward_s if recompute_forward else 0.0) for j, c in enumerate(costs)]
     est.inputs = ScheduleInputs([c.forward_s for c in costs], bwd, send_f, send_b,
                                 None if plan.runtime.p2p_overlap else True, [c.weight_s for c in costs] if zb else None,
-                                [(c.a2a_forward_s, c.a2a_backward_s) for c in costs] if overlap else None,
+                                [c.chunk or ChunkOps() for c in costs] if overlap else None,
                                 a2a_compute_share(plan, device.rates.sms) if overlap else 1.0,
                                 [(c.copy_out_s, c.copy_in_s) for c in costs] if p > 1 and any(
                                     c.copy_out_s or c.copy_in_s for c in costs) else None)

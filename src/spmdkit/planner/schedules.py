@@ -34,13 +34,14 @@ all-to-all runs while the forward computes attention, the two dispatches while t
 MLPs (and the backward's deferred weight gradients) compute, the forward's combine while the
 backward computes attention (``TransformerLayerSchedulePlan.run``, module
 ``megatron.core.models.common.model_chunk_schedule_plan``); the all-to-alls run on their own
-stream. :func:`run_schedule` times a merged step of a forward with all-to-all time ``a_F`` and
-other work ``o_F`` and a backward with ``a_B`` and ``o_B`` as ``max(a_F, o_B) + max(a_B, o_F)``
-(each one's all-to-alls hidden under the other's work, up to that work; the sum ``a_F + o_F +
-a_B + o_B`` without the overlap); both its outputs leave when it ends. Under DeepEP the work
-beside an all-to-all runs on the SMs its kernels leave (:func:`merged_part`: ``max(a, o + a (1 -
-share))``). The warm-up forwards and
-the cool-down backwards have no partner and run as before. A device holds one more model chunk
+stream. Every step, the warm-up forwards and cool-down backwards too, runs through that plan:
+:func:`run_schedule` times each by :func:`spmdkit.planner.chunk_plan.chunk_run`, the source's
+nodes on its two streams with its event waits (a node waits for its chunk's node before it, the
+weight gradients for nothing; under DeepEP the computation beside an all-to-all runs on the SMs
+its kernels leave), from each stage's ops cut into those nodes
+(:mod:`spmdkit.planner.chunk_ops`). A lone forward runs its nodes one after the other; a lone
+backward hides its dispatch's all-to-all under its experts' weight gradients and its combine's
+under the layer before's attention weight gradients. A device holds one more model chunk
 of activations (the extra warm-up forward); the merged step's own forward builds its
 activations while its partner's backward frees its own, layer by layer, so the peak count adds
 nothing more (an upper bound: the merged forward is counted whole, at its working peak).
@@ -51,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.planner.chunk_plan import ChunkOps, ChunkRun, chunk_run
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "interleaved", "1F1B": "1f1b",
@@ -112,13 +114,6 @@ def check_microbatch_group(p: int, m: int, group: int) -> None:
         raise ProgramError(f"{flag}: --microbatches {m} leaves a last group of {m % group}, fewer than pp={p} "
                            f"(Megatron-Core refuses it: the last group's chunks would wait on each other); give "
                            f"--microbatches a multiple of {group} or one that leaves at least {p}")
-
-
-def merged_part(a: float, o: float, share: float = 1.0) -> float:
-    """Seconds of ``a`` seconds of all-to-all run beside ``o`` seconds of other work (one half
-    of a merged step), that work at ``share`` of its speed while the all-to-all runs: it ends
-    with the all-to-all (``max(a, ...)``) or ``a (1 - share)`` after ``o``."""
-    return max(a, o + a * (1.0 - share))
 
 
 def interleaved_warmup(p: int, v: int, m: int, r: int, extra_warm: int = 0, group: int | None = None) -> int:
@@ -219,9 +214,9 @@ class ScheduleInputs:
     send_b: list[float]
     blocking_sends: bool | None = None
     weight: list[float] | None = None
-    #: per virtual stage: the expert all-to-all seconds of its forward and its backward, where
-    #: the steady state merges them (``--ep-comm-overlap``: :func:`run_schedule`)
-    a2a: list[tuple[float, float]] | None = None
+    #: per virtual stage: its ops as Megatron-Core's merged schedule's nodes, where every step
+    #: runs through it (``--ep-comm-overlap``: :func:`run_schedule`, :mod:`spmdkit.planner.chunk_plan`)
+    a2a: list[ChunkOps] | None = None
     #: the share of the GPU's compute the partner's work runs at while an all-to-all of a merged
     #: step runs (DeepEP's kernels keep SMs of their own: :func:`spmdkit.cost.moe.a2a_compute_share`)
     a2a_share: float = 1.0
@@ -238,7 +233,7 @@ class ScheduleInputs:
 def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float],
                  send_f: list[float] | None = None, send_b: list[float] | None = None,
                  blocking_sends: bool | None = None, weight: list[float] | None = None,
-                 a2a: list[tuple[float, float]] | None = None, a2a_share: float = 1.0,
+                 a2a: list[ChunkOps] | None = None, a2a_share: float = 1.0,
                  once: list[tuple[float, float]] | None = None, group: int | None = None) -> ScheduleRun:
     """Simulate the schedule: ``fwd[k]`` / ``bwd[k]`` the time of virtual stage ``k`` for one
     microbatch, ``send_f[k]`` / ``send_b[k]`` the time to send its output activations to stage
@@ -248,10 +243,14 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
     the exchange); the interleaved schedule overlaps its sends with the next unit's compute
     (Megatron's ``overlap_p2p_comm``), so there only the receiver waits. ZB-H1: ``bwd[k]`` is
     the input gradient (B) alone and ``weight[k]`` the weight gradient (W), run after it on
-    the same device in the schedule's order. ``a2a`` (interleaved only): per virtual stage the
-    expert all-to-all seconds inside ``fwd[k]`` and ``bwd[k]``; one more warm-up forward per
-    device and each steady-state forward and backward run as one merged step (module docstring),
-    the work under an all-to-all at ``a2a_share`` of its speed (:func:`merged_part`). ``once``: per
+    the same device in the schedule's order. ``a2a`` (interleaved only): per virtual stage its
+    ops as the merged schedule's nodes (their sums ``fwd[k]`` and ``bwd[k]``); one more warm-up
+    forward per device, each steady-state forward and backward run as one merged step and every
+    step timed as Megatron-Core's ``TransformerModelChunkSchedulePlan.run`` runs it
+    (:func:`spmdkit.planner.chunk_plan.chunk_run`: a lone backward too hides its dispatch's
+    all-to-all under its experts' weight gradients), the work beside an all-to-all at
+    ``a2a_share`` of its speed; a merged step's forward output leaves when its forward's layers
+    end, its backward's when its backward's do. ``once``: per
     virtual stage, seconds more in its first microbatch's forward and its last microbatch's backward
     (B), on the same device (FSDP2 under torch's pipelining gathers a stage's parameters before its
     first forward and reduce-scatters its gradients after its last backward, each with its copy).
@@ -267,6 +266,14 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
     sb = send_b or [0.0] * n
     wt = weight or [0.0] * n
     extra = 1 if a2a is not None else 0
+    steps: dict[tuple[int, int], ChunkRun] = {}
+
+    def step(kf: int, kb: int) -> ChunkRun:  # forward chunk kf (-1: none) with backward chunk kb
+        assert a2a is not None
+        if (kf, kb) not in steps:
+            steps[kf, kb] = chunk_run(a2a[kf] if kf >= 0 else None, a2a[kb], a2a_share)
+        return steps[kf, kb]
+
     orders = [schedule_order(schedule, p, v, m, r, extra, group) for r in range(p)]
     # the first position of each merged pair on each device (the steady state's F, B)
     pairs = [set(range(w, len(orders[r]) - w, 2)) if a2a is not None else set()
@@ -291,16 +298,16 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
                     d_b = _dep("B", kb, kb * m + i_b, m, n, done_f, done_b, sf, sb)
                     if d_f is None or d_b is None:
                         break
-                    assert a2a is not None
                     start = max(free[r], d_f, d_b)
-                    (af, _x), (_y, ab) = a2a[kf], a2a[kb]
-                    dur = merged_part(af, bwd[kb] - ab, a2a_share) + merged_part(ab, fwd[kf] - af, a2a_share)
-                    dur += (first[kf] if i_f == 0 else 0.0) + (final[kb] if i_b == m - 1 else 0.0)
+                    got = step(kf, kb)
+                    lead = first[kf] if i_f == 0 else 0.0
+                    dur = got.seconds + lead + (final[kb] if i_b == m - 1 else 0.0)
                     hidden[r] += fwd[kf] + bwd[kb] - dur
                     cut = start + dur * fwd[kf] / (fwd[kf] + bwd[kb]) if fwd[kf] + bwd[kb] > 0 else start
                     free[r] = start + dur
                     units += [(r, "F", kf, i_f, start, cut), (r, "B", kb, i_b, cut, free[r])]
-                    done_f[kf * m + i_f] = done_b[kb * m + i_b] = free[r]
+                    done_f[kf * m + i_f] = start + lead + got.forward_end
+                    done_b[kb * m + i_b] = start + lead + got.backward_end
                     last_b[r] = dur
                     if blocking_sends:
                         free[r] += (sf[kf] if kf < n - 1 else 0.0) + (sb[kb - 1] if kb > 0 else 0.0)
@@ -314,6 +321,9 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
                 if dep is None:
                     break
                 dur = fwd[k] if kind == "F" else bwd[k] if kind == "B" else wt[k]
+                if a2a is not None and kind == "B":  # a lone backward through the merged schedule's nodes
+                    dur = step(-1, k).seconds
+                    hidden[r] += bwd[k] - dur
                 dur += first[k] if kind == "F" and i == 0 else final[k] if kind == "B" and i == m - 1 else 0.0
                 start = max(free[r], dep)
                 free[r] = start + dur
@@ -371,4 +381,4 @@ def bubble_formula(schedule: str, p: int, v: int, m: int, times: tuple[float, fl
 
 
 __all__ = ["SCHEDULES", "SCHEDULE_ALIASES", "ScheduleInputs", "ScheduleRun", "bubble_formula", "check_microbatch_group",
-           "held_counts", "in_flight", "merged_part", "run_schedule", "schedule_order", "schedule_table", "weight_pending"]
+           "held_counts", "in_flight", "run_schedule", "schedule_order", "schedule_table", "weight_pending"]

@@ -387,7 +387,7 @@ class StepFloor:
         of them) waits for the backward of the ``p - 1`` chunks above its highest, each at least
         ``k`` of the least layer's backward (``f.backward``), the last also the head's; not
         under --ep-comm-overlap (a steady-state backward merged with a forward may take less
-        than its ops' time: ``schedules.merged_part``)."""
+        than its ops' time: ``chunk_plan.chunk_run``)."""
         p, v, m = cfg.pp, cfg.virtual, max(1, cfg.microbatches)
         n = -(-self.layers // p)
         low = t.stream(m, n, -(-(self.layers - self.dense) // p))

@@ -8,7 +8,7 @@ and its gradient reductions (:func:`stage_costs`; the stages of
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from spmdkit.core.reshard import Step
@@ -25,6 +25,8 @@ from spmdkit.cost.memory import (
 )
 from spmdkit.cost.memory_fsdp2 import gather_sizes, gathered_numels, pair_peak
 from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time, shared_gather_savings
+from spmdkit.planner.chunk_ops import chunk_ops
+from spmdkit.planner.chunk_plan import ChunkOps
 from spmdkit.planner.zero_bubble import weight_shares, weight_stash
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
@@ -88,9 +90,14 @@ class StageCost:
     #: those of ``grads`` the framework reduces in every microbatch's backward, not only the
     #: last one's (Megatron-FSDP's ZeRO-2/3 reduce-scatters: ``reduced_each_microstep``)
     each: list[tuple[float, str, Step, int, str]] = field(default_factory=list, repr=False)
+    #: --ep-comm-overlap: its ops as Megatron-Core's merged schedule's nodes (:mod:`spmdkit.planner.chunk_ops`)
+    chunk: ChunkOps | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("grads", "each")}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("grads", "each", "chunk")}
+        if self.chunk is not None:
+            out["chunk"] = asdict(self.chunk)
+        return out
 
 
 def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: Device | None = None,
@@ -391,9 +398,10 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm
             if others and g is not None and g in op.output_names():
                 also[i] = others
     late: list[list[tuple[str, Step, int, str]]] = [[] for _ in out]
+    times = [0.0] * len(prog.ops)
     for i, op in enumerate(prog.ops):
         c = oc.costs[i]
-        t = oc.compute[i] + oc.wait[i] - shared.get(i, 0.0)
+        t = times[i] = oc.compute[i] + oc.wait[i] - shared.get(i, 0.0)
         sc = out[stages[i]]
         if i in rerun:
             sc.recompute_s += t
@@ -418,6 +426,9 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm
         gathers[stages[i]] += oc.param_gathers.get(i, [])
     for s, copy_grads in enumerate(late):
         made[s] += [(out[s].backward_s, dt, st, size, layer) for dt, st, size, layer in copy_grads]
+    if plan.runtime.ep_comm_overlap:
+        for sc, ch in zip(out, chunk_ops(prog, stages, len(out), times, oc.ep_a2a, rerun, shares)):
+            sc.chunk = ch
     for sc, items in zip(out, gathers):
         # Megatron's overlap_param_gather: under the next step's first forward on the stage
         sc.optimizer_s += max(0.0, param_gather_time(plan, items) - sc.forward_s) if items else 0.0
