@@ -367,7 +367,7 @@ def _assumptions(rel: str, tag: str, key: str, par: dict, prec_cell: str | None)
     if key == "qwen3_30b_a3b" and tag == "v0.3.1":
         out.append("v0.3.0's H100 preset (DeepEP, a2a overlap): v0.3.1's (EP 16, HybridEP) is not the table's layout")
     if key == "deepseek_v3":
-        out.append("DeepEP (inferred: 25.09's setup_experiment.py enables it on H100); selective recompute of "
+        out.append("DeepEP (inferred: 25.09's Megatron-Bridge script setup_experiment enables it on H100); selective recompute of "
                    "Megatron-Core's default core_attn")
     if par.get("routing") == "topk":
         out.append("forced load balancing (random router logits) planned as --moe-routing topk's expected load, as "
