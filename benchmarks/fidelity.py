@@ -931,27 +931,31 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
 
 
 SOURCES = {"narayanan21": "Narayanan 2021", "korthikanti22": "Korthikanti 2022", "megatronlm": "Megatron-LM 2024",
-           "nemo2407": "NeMo 24.07", "torchtitan": "torchtitan 2024-12"}
+           "nemo2407": "NeMo 24.07", "torchtitan": "torchtitan 2024-12",
+           "automodel": "NeMo AutoModel", "megatron": "Megatron-MoE-ModelZoo"}
 
 
-def band_json(results: list[dict[str, Any]]) -> dict[str, Any]:
+def _band_family(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    ratios = [r["ratio"] for r in rs]
+    return {"runs": len(ratios), "p10": round(_pct(ratios, 0.1), 3), "p50": round(_pct(ratios, 0.5), 3),
+            "p90": round(_pct(ratios, 0.9), 3), "sources": sorted({SOURCES[r["id"].split("_")[0]] for r in rs})}
+
+
+def band_json(results: list[dict[str, Any]], moe: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The error band per GPU family (spmdkit.cost.band): percentiles of measured / predicted
     step time over the whole-step runs without cp (Table 4's one-layer timings left out); ``cp``:
-    the context-parallel runs' (cp > 1, any GPU), the band of a cp plan."""
+    the context-parallel runs' (cp > 1, any GPU), the band of a cp plan; ``moe``: the runs of
+    ``benchmarks/data/moe-runs.json`` (``moe``, their results), the band of a plan with MoE layers."""
     fam: dict[str, Any] = {}
     whole = [r for r in results if r["metric"] != "layer_combined_ms"]
     steps = [r for r in whole if r.get("cp", 1) == 1]  # the families: plans without cp
     for name, rs in (("A100", [r for r in steps if r["gpu"] == "A100"]),
                      ("H100", [r for r in steps if r["gpu"] == "H100"]), ("all", steps),
-                     ("cp", [r for r in whole if r.get("cp", 1) > 1])):
-        ratios = [r["ratio"] for r in rs]
-        if not ratios:
-            continue
-        fam[name] = {"runs": len(ratios), "p10": round(_pct(ratios, 0.1), 3), "p50": round(_pct(ratios, 0.5), 3),
-                     "p90": round(_pct(ratios, 0.9), 3),
-                     "sources": sorted({SOURCES[r["id"].split("_")[0]] for r in rs})}
+                     ("cp", [r for r in whole if r.get("cp", 1) > 1]), ("moe", moe or [])):
+        if rs:
+            fam[name] = _band_family(rs)
     return {"generated_by": "benchmarks/fidelity.py --write", "runs_file": "benchmarks/data/published-runs.json",
-            "families": fam}
+            "moe_runs_file": "benchmarks/data/moe-runs.json", "families": fam}
 
 
 MOE_HEADING = "## Mixture of experts"
@@ -994,8 +998,9 @@ def moe_section(mres: list[dict[str, Any]], muns: dict[str, list[str]], ms: dict
     out = ["", MOE_HEADING, "",
            "The MoE runs of `benchmarks/data/moe-runs.json` (expert parallelism folded into data parallelism as",
            "Megatron-Core and FSDP2 + DeepEP run it: `--mesh dp=D,ep=E --strategy dp,ep[,zero3]`; the catalog's",
-           "architecture), planned the same way; not in the error band above. Their recipes are read from",
-           "NeMo AutoModel's benchmark configs (each row's `companions`): every decoder layer checkpointed",
+           "architecture), planned the same way; not in the error band above: a plan with MoE layers carries their own",
+           "(`band.json` family `moe`, 16 runs). Their recipes are read from NeMo AutoModel's benchmark configs (each",
+           "row's `companions`): every decoder layer checkpointed",
            "(`--recompute full`), the model in bf16 with `torch.optim.Adam` (bf16 moments) under FSDP2 and",
            "the loss on bf16 logits (`--framework automodel`, docs/devices.md \"Memory\"); the experts stay",
            "out of FSDP (ep covers every rank of a stage). The configs set `enable_deepep` and",
@@ -1125,9 +1130,9 @@ def main() -> int:
         if a.only or runs != [str(RUNS)]:
             print("--write: only from every run of the default runs file", file=sys.stderr)
             return 2
-        BAND.write_text(json.dumps(band_json(results), indent=1) + "\n")
         mrows = json.loads(MOE_RUNS.read_text())
         mres, muns = evaluate(mrows, False, sys.stdout)
+        BAND.write_text(json.dumps(band_json(results, mres), indent=1) + "\n")
         sections = moe_section(mres, muns, summarise(mres, muns))
         for x in EXTRA_RUNS:  # the out-of-sample checks: not in band.json
             sections += evaluate_section(x, sys.stdout)

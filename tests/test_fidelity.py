@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -161,7 +162,9 @@ def test_band_and_docs_are_current() -> None:
     two halves run on two workers)."""
     results, unsupported = FID.evaluate(ROWS)
     s = FID.summarise(results, unsupported)
-    assert json.loads(BAND_FILE.read_text()) == FID.band_json(results), "run: python benchmarks/fidelity.py --write"
+    band = json.loads(BAND_FILE.read_text())
+    band["families"].pop("moe", None)  # the MoE runs' family: checked with them (test_moe_docs_are_current)
+    assert band == FID.band_json(results), "run: python benchmarks/fidelity.py --write"
     rest, section = FID.split_moe_section((ROOT / "docs" / "fidelity.md").read_text())
     assert section, "docs/fidelity.md has no MoE section: run: python benchmarks/fidelity.py --write"
     for x in FID.EXTRA_RUNS:  # the out-of-sample sections, checked apart (below)
@@ -170,11 +173,31 @@ def test_band_and_docs_are_current() -> None:
 
 
 def test_moe_docs_are_current() -> None:
-    """docs/fidelity.md's MoE section is what the code predicts today for benchmarks/data/moe-runs.json."""
+    """docs/fidelity.md's MoE section and band.json's ``moe`` family (the band a plan with MoE layers
+    carries) are what the code predicts today for benchmarks/data/moe-runs.json."""
     mres, muns = FID.evaluate(json.loads(FID.MOE_RUNS.read_text()))
+    assert json.loads(BAND_FILE.read_text())["families"]["moe"] == FID.band_json([], mres)["families"]["moe"], \
+        "run: python benchmarks/fidelity.py --write"
     _, section = FID.split_moe_section((ROOT / "docs" / "fidelity.md").read_text())
     assert section == FID.moe_section(mres, muns, FID.summarise(mres, muns)), \
         "run: python benchmarks/fidelity.py --write"
+
+
+def test_a_moe_plan_carries_the_moe_runs_band() -> None:
+    # a plan with MoE layers is told how far the published MoE runs fell from their predictions, not the dense
+    # H100 runs' band; a dense plan on the same device keeps the H100 family's; the families as band.json has them
+    families = json.loads(BAND_FILE.read_text())["families"]
+    moe = error_band("NVIDIA H100 SXM5 80GB", moe=True)
+    assert moe is not None and moe.family == "mixture-of-experts" and moe.runs == families["moe"]["runs"] == 16
+    assert (moe.p10, moe.p50, moe.p90) == (families["moe"]["p10"], families["moe"]["p50"], families["moe"]["p90"])
+    assert set(moe.sources) == {"NeMo AutoModel", "Megatron-MoE-ModelZoo"}
+    assert error_band("NVIDIA H100 SXM5 80GB", cp=True, moe=True) == moe  # a MoE plan with cp: the MoE runs'
+    dense = error_band("NVIDIA H100 SXM5 80GB")
+    assert dense is not None and dense.family == "H100" and dense.runs == families["H100"]["runs"]
+    out = subprocess.run([sys.executable, "-m", "spmdkit", "plan", "--model", "mixtral-8x7b", "--layers", "1", "--seq",
+                          "512", "--batch", "8", "--mesh", "dp=2,ep=4", "--strategy", "dp,ep", "--device", "h100",
+                          "--json"], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["step"]["error_band"]["family"] == "mixture-of-experts"
 
 
 def test_the_moe_section_is_split_off_whole() -> None:

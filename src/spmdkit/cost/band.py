@@ -6,7 +6,10 @@ stale). Standard library only.
 :func:`error_band` (device) -> :class:`Band`: for the device's GPU family (A100, H100 / H200) or
 all runs, the 10th, 50th and 90th percentile of ``measured step time / predicted step time``
 (above 1: the real step is slower than predicted) and the runs it rests on; a context-parallel
-plan (``cp``) gets the band of the published runs with cp > 1 (long context, any GPU).
+plan (``cp``) gets the band of the published runs with cp > 1 (long context, any GPU), a plan with
+mixture-of-experts layers (``moe``) the band of the published MoE runs
+(``benchmarks/data/moe-runs.json``: expert parallelism on H100s), whose predictions are the least
+sure, before either.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class Band:
 
 
 #: how a family is named in the band's sentence
-_NAMES = {"all": "GPU", "cp": "context-parallel (cp > 1)"}
+_NAMES = {"all": "GPU", "cp": "context-parallel (cp > 1)", "moe": "mixture-of-experts"}
 
 
 @cache
@@ -63,10 +66,13 @@ def family_of(device_name: str) -> str:
     return "A100" if preset.startswith("a100") else "H100" if preset in ("h100", "h200") else "all"
 
 
-def error_band(device_name: str, cp: bool = False) -> Band | None:
+def error_band(device_name: str, cp: bool = False, moe: bool = False) -> Band | None:
     """The band of the device's family (every run's where the family has fewer than 5); with
-    ``cp`` (a context-parallel plan) the band of the published cp runs where there are 5."""
+    ``moe`` (a plan with MoE layers) the band of the published MoE runs, else with ``cp`` (a
+    context-parallel plan) the band of the published cp runs, each where there are 5."""
     bands = _bands()
+    if moe and (m := bands.get("moe")) is not None and m.runs >= 5:
+        return m
     if cp and (c := bands.get("cp")) is not None and c.runs >= 5:
         return c
     b = bands.get(family_of(device_name))

@@ -36,7 +36,7 @@ from spmdkit.cost.context_shared import shared_gather_costs
 from spmdkit.cost.context_torch import TorchCpCost, torch_cp_costs, torch_cp_ops
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
-from spmdkit.cost.moe import expert_all_to_all, expert_tensors, plan_loads
+from spmdkit.cost.moe import expert_all_to_all, expert_tensors, moe_layers, plan_loads
 from spmdkit.engine.facts import OpCost
 from spmdkit.engine.memo import Recent, gc_paused
 from spmdkit.ops._cost import numel
@@ -97,6 +97,8 @@ class StepEstimate:
     cp_imbalance: float = 1.0
     #: the context-parallel degree (the most ranks a cp attention op splits its sequence over; 1: none)
     cp: int = 1
+    #: the plan has mixture-of-experts layers (its error band is the published MoE runs')
+    moe: bool = False
     #: where :attr:`exposed_comm_s` goes (seconds over the step): ``blocking`` (collectives that
     #: hold the compute stream: tensor-parallel ones not overlapped, their overlap's exposed
     #: chunk, collectives inside kernels, a prefetched gather waited for, ring attention's
@@ -183,7 +185,7 @@ class StepEstimate:
                 "memory_bound_ops": self.memory_bound_ops,
                 "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered),
                 "cp": self.cp,
-                "error_band": band.to_json() if (band := error_band(self.device.name, self.cp > 1)) is not None
+                "error_band": band.to_json() if (band := error_band(self.device.name, self.cp > 1, self.moe)) is not None
                 else None}
 
 
@@ -973,6 +975,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     est.cp_imbalance = max((causal_imbalance(c.ranks, c.balanced, c.causal) for c in cps if c.variant != "alltoall"),
                            default=1.0)
     est.cp = max((c.ranks for c in cps), default=1)
+    est.moe = bool(moe_layers(plan.program))
     blocking = sum(b for _i, _t, b, _r, _c in run.timeline) \
         + (accum - 1) * sum(b for _i, _t, b, _r, _c in prior.timeline)  # the micro-steps before the last
     tail = run.tail_s + (accum - 1) * (early.tail_s if early is not None else 0.0)

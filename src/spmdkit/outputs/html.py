@@ -869,7 +869,7 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
         summary.append(("fits?", fit_verdict(mem.device_total, cap)[1].split(" (")[0]))
     if est.mfu is not None and pipeline is None:
         summary.append(("MFU", f"{100 * est.mfu:.1f}%"))
-    band = error_band(est.device.name, est.cp > 1)
+    band = error_band(est.device.name, est.cp > 1, est.moe)
     if band is not None:
         summary.append(("error band", f"{band.p10:.2f}-{band.p90:.2f} x step"))
     nav = "".join(f'<a href="#{k}">{v}</a>' for k, v in (("mesh", "mesh"), ("step", "step"), ("memory", "memory"),

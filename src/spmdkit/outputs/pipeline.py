@@ -73,7 +73,7 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
         out.write(f"tokens/s: {est.tokens_per_s or 0:,.0f} ({est.tokens} tokens per step); MFU "
                   f"{100 * (est.mfu or 0):.1f}% ({est.tflops_per_gpu or 0:.0f} model TFLOP/s per GPU over "
                   f"{est.ranks} x {est.peak / 1e12:g} TFLOP/s on {est.device_name})\n")
-        write_band(est.device_name, out, est.cp > 1)
+        write_band(est.device_name, out, est.cp > 1, est.moe is not None)
 
 
 def write_moe_memory(mm: MoeMemory, out: TextIO) -> None:

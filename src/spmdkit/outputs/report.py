@@ -333,10 +333,10 @@ def fmt_flops(f: float) -> str:
     return f"{f:.0f} FLOP"
 
 
-def write_band(device_name: str, out: TextIO, cp: bool = False) -> None:
+def write_band(device_name: str, out: TextIO, cp: bool = False, moe: bool = False) -> None:
     """The error band of the prediction (:func:`spmdkit.cost.band.error_band`; ``cp``: of a
-    context-parallel plan), one line."""
-    band = error_band(device_name, cp)
+    context-parallel plan, ``moe``: of one with MoE layers), one line."""
+    band = error_band(device_name, cp, moe)
     if band is not None:
         out.write(f"error band: {band.text()}\n")
 
@@ -417,7 +417,7 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
         out.write(f"tokens/s: {tps:,.0f} ({est.tokens} tokens per step); MFU {100 * mfu:.1f}% "
                   f"(model FLOPs {fmt_flops(est.model_flops)} = 6 x {est.n_params:,} parameters x tokens + "
                   f"{fmt_flops(est.attention_flops)} attention, over {est.ranks} x {peak:g} TFLOP/s)\n")
-        write_band(est.device.name, out, est.cp > 1)
+        write_band(est.device.name, out, est.cp > 1, est.moe)
         if est.recompute != "none":
             out.write(f"recompute {est.recompute}: {fmt_flops(est.recompute_flops_per_device)} per device run again "
                       f"in the backward; HFU {100 * (est.hfu or 0.0):.1f}% (hardware FLOPs "

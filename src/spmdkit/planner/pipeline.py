@@ -398,8 +398,8 @@ class PipelineEstimate:
                         "tokens": self.tokens, "tokens_per_s": self.tokens_per_s, "model_flops": self.model_flops,
                         "ranks": self.ranks, "peak_flops": self.peak, "mfu": self.mfu,
                         "model_tflops_per_gpu": self.tflops_per_gpu,
-                        "error_band": band.to_json() if (band := error_band(self.device_name, self.cp > 1)) is not None
-                        else None})
+                        "error_band": band.to_json() if (band := error_band(
+                            self.device_name, self.cp > 1, self.moe is not None)) is not None else None})
         return out
 
 
