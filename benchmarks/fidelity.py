@@ -58,6 +58,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.cost.recompute_modules import recompute_modules
 from spmdkit.engine.memo import gc_paused
 from spmdkit.models.catalog import config_fields
+from spmdkit.program.runtime import DISPATCHERS  # the MoE dispatchers --moe-dispatcher takes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity_foundry import FOUNDRY, foundry_argv
@@ -78,8 +79,6 @@ NEMO_LONG_RUNS = Path(__file__).resolve().parent / "data" / "nemo-long-runs.json
 #: NeMo's later performance summaries (25.09 to 26.06, Megatron-Bridge's archive): the DGX-H100 pre-training
 #: rows of the catalog's models, an out-of-sample check (benchmarks/data/nemo-runs.json, the same schema)
 NEMO_RUNS = Path(__file__).resolve().parent / "data" / "nemo-runs.json"
-#: the MoE token dispatchers the planner models (``--moe-dispatcher``); another (HybridEP) is unsupported
-DISPATCHERS = ("alltoall", "deepep")
 GIB = 1024**3
 
 
@@ -1109,6 +1108,11 @@ def main() -> int:
                          "set (benchmarks/data/{outside,nemo-long,nemo,foundry}-runs.json), for the runs planned")
     a = ap.parse_args()
     runs = a.runs or [str(RUNS)]
+    section = next((x for x in EXTRA_RUNS if len(runs) == 1 and Path(runs[0]).resolve() == x.path), None)
+    if a.section and section is None:  # refused before any run is planned
+        print("--section: give one --runs file of the out-of-sample sets: "
+              + ", ".join(str(x.path.relative_to(ROOT)) for x in EXTRA_RUNS), file=sys.stderr)
+        return 2
     rows = [r for f in runs for r in json.loads(Path(f).read_text())]
     if a.only:
         rows = [r for r in rows if r["id"].startswith(tuple(a.only.split(",")))]
@@ -1117,13 +1121,8 @@ def main() -> int:
     print()
     for line in summary_lines(s):
         print(line)
-    if a.section:  # the section --write would put in docs/fidelity.md, for these rows
-        x = next((x for x in EXTRA_RUNS if len(runs) == 1 and Path(runs[0]).resolve() == x.path), None)
-        if x is None:
-            print("--section: give one --runs file of the out-of-sample sets: "
-                  + ", ".join(str(x.path.relative_to(ROOT)) for x in EXTRA_RUNS), file=sys.stderr)
-            return 2
-        print("\n".join(extra_section(x, results, unsupported, s, rows)))
+    if a.section and section is not None:  # the section --write would put in docs/fidelity.md, for these rows
+        print("\n".join(extra_section(section, results, unsupported, s, rows)))
     if a.json:
         Path(a.json).write_text(json.dumps({"results": results, "unsupported": unsupported, "summary": s}, indent=1))
     if a.write:

@@ -254,7 +254,8 @@ def _fp8(prog: Program, i: int, lop: LocalOp, c: OpCost) -> OpCost:
         elems = b * m * n
     else:  # the weight as this device holds it (an expert stack: its local experts, not the GEMM's batch)
         weight = lop.one("y") or lop.one("weight")
-        elems = (math.prod(weight[0]) if weight is not None else k * n) + (b * m * k if i in layers.casts_input else 0)
+        assert weight is not None  # gemm_dims read it
+        elems = math.prod(weight[0]) + (b * m * k if i in layers.casts_input else 0)
     return replace(c, fp8=True, cast_bytes=4.0 * elems)
 
 
