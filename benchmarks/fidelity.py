@@ -6,6 +6,7 @@ would type it, and compared in the source's own unit and FLOP definition.
     python benchmarks/fidelity.py --runs benchmarks/data/moe-runs.json   # the MoE runs (expert parallelism)
     python benchmarks/fidelity.py --runs benchmarks/data/outside-runs.json   # out of sample (outside-runs.md)
     python benchmarks/fidelity.py --runs benchmarks/data/nemo-long-runs.json   # NeMo 24.03's cp table (nemo-long-runs.md)
+    python benchmarks/fidelity.py --runs benchmarks/data/torchtitan-2025-runs.json   # torchtitan 2025: async TP, float8, H200
 
 For each run: the command line (``spmdkit plan --model-config ... --mesh pp=..,dp=..,tp=..
 --strategy ... --device ... --precision ... --recompute ... --json``), the prediction in the
@@ -63,6 +64,7 @@ from spmdkit.program.runtime import DISPATCHERS  # the MoE dispatchers --moe-dis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity_foundry import FOUNDRY, foundry_argv
 from fidelity_tables import RunsSection, run_table, runs_section
+from fidelity_torchtitan import TORCHTITAN_2025, float8_unsupported
 
 #: the published runs (a copy of the team's shared calibration set; benchmarks/data/published-runs.md)
 RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
@@ -135,6 +137,8 @@ def _device(row: dict[str, Any], tmp: Path) -> tuple[str, float]:
         return str(f), 96.0
     if gpu.startswith("H100"):
         return "h100", 80.0
+    if gpu.startswith("H200"):  # H200 SXM: 141 GB HBM3e (the h200 preset)
+        return "h200", 141e9 / GIB
     raise Unsupported(f"GPU {gpu}")
 
 
@@ -315,6 +319,9 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         raise Unsupported("mixture of experts without a catalog architecture")
     if par.get("activation_cpu_offload"):  # llm-foundry's fsdp_config.activation_cpu_offload
         raise Unsupported("activation CPU offload")
+    float8 = float8_unsupported(row)  # torchao's rowwise scaling, FSDP2's float8 all-gather
+    if float8:
+        raise Unsupported(float8)
     assume: list[str] = [str(x) for x in row.get("assumptions") or []]  # the row's own (outside-runs.json)
     device, mem_gib = _device(row, tmp)
     tp, pp, dp = int(par["tp"]), int(par["pp"]), int(par["dp"])
@@ -1068,7 +1075,7 @@ NEMO_INTRO = (
 #: and of benchmarks/calibrate_sustained.py), each a section of docs/fidelity.md after the MoE runs
 EXTRA_RUNS: list[RunsSection] = [RunsSection(OUTSIDE_RUNS, OUTSIDE_HEADING, OUTSIDE_INTRO),
                                  RunsSection(NEMO_LONG_RUNS, NEMO_LONG_HEADING, NEMO_LONG_INTRO),
-                                 RunsSection(NEMO_RUNS, NEMO_HEADING, NEMO_INTRO), FOUNDRY]
+                                 RunsSection(NEMO_RUNS, NEMO_HEADING, NEMO_INTRO), FOUNDRY, TORCHTITAN_2025]
 
 
 def extra_section(x: RunsSection, res: list[dict[str, Any]], uns: dict[str, list[str]], s: dict[str, Any],
@@ -1105,7 +1112,7 @@ def main() -> int:
                          "layer's forward and backward halves beside the measured ones")
     ap.add_argument("--section", action="store_true",
                     help="print the section of docs/fidelity.md of the one --runs file given, an out-of-sample "
-                         "set (benchmarks/data/{outside,nemo-long,nemo,foundry}-runs.json), for the runs planned")
+                         "set (benchmarks/data/{outside,nemo-long,nemo,foundry,torchtitan-2025}-runs.json), for the runs planned")
     a = ap.parse_args()
     runs = a.runs or [str(RUNS)]
     section = next((x for x in EXTRA_RUNS if len(runs) == 1 and Path(runs[0]).resolve() == x.path), None)

@@ -623,6 +623,7 @@ def test_outside_runs_are_kept_out_of_the_band_and_the_calibration() -> None:
     # runs in the published set (band.json's), its name and constant absent from the calibration
     paths = [x.path for x in FID.EXTRA_RUNS]
     assert FID.NEMO_LONG_RUNS in paths and FF.FOUNDRY_RUNS in paths and FID.RUNS not in paths and FID.MOE_RUNS not in paths
+    assert FID.TORCHTITAN_2025.path in paths  # torchtitan's 2025 benchmarks (async TP, float8, H200)
     for path in paths:
         assert path.name not in calibrate and "EXTRA_RUNS" not in calibrate
         assert not {r["id"] for r in ROWS} & {r["id"] for r in json.loads(path.read_text())}
