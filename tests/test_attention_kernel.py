@@ -224,3 +224,27 @@ def test_with_te_the_h100_fits_move_little_and_the_default_fits_not_at_all() -> 
     # the cited 595 TFLOP/s at 16k over the new s / (s + 228)
     assert presets["cudnn"][1][0] == pytest.approx(595 / 989.5 * (16384 + 228) / 16384, rel=1e-9)
     assert H100_RATES.attention_shape["cudnn"] == CUDNN_H100_SHAPE == (208.0, 72.0, 0.894)
+
+
+def test_attention_whatif_patches_the_hopper_presets_and_names_the_kernel_per_run() -> None:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_whatif.py"
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("attention_whatif_bench", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    saved = {k: DEVICES[k] for k in mod.HOPPER}
+    base = mod.fidelity.foundry_argv
+    try:
+        mod.patch(0.838)
+        r = DEVICES["h800"].rates
+        assert r.attention_shape["cudnn"] == (228.0, 76.0, 0.915) and r.sustained == 0.838
+        assert r.attention["cudnn"][0] == pytest.approx(595 / 989.5 * (16384 + 228) / 16384, rel=1e-9)
+        mod.kernels(["nemo2403=fa2"], ["nemo2403_b"])
+        row = {"id": "nemo2403_a", "model": {}, "parallelism": {}, "hardware": {}}
+        assert mod.fidelity.foundry_argv(row, [])[-2:] == ["--attention-kernel", "fa2"]
+        assert "--attention-kernel" not in mod.fidelity.foundry_argv({**row, "id": "nemo2403_b"}, [])
+        assert "--attention-kernel" not in mod.fidelity.foundry_argv({**row, "id": "nemo2407_a"}, [])
+    finally:
+        DEVICES.update(saved)
+        mod.fidelity.foundry_argv = base
