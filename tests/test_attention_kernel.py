@@ -23,6 +23,8 @@ from spmdkit.cost.rates import (
     FA2_H100_SHAPE,
     H100_RATES,
     H200_RATES,
+    TE_ATTENTION_CONFIGS,
+    TE_H100_MS,
     TRITON_A100_FIG4,
     TRITON_A100_SHAPE,
     attention_efficiency,
@@ -171,3 +173,78 @@ def test_attention_efficiency_gives_each_kernel_its_fitted_shape() -> None:
     # = 0.34800, x 2048 / 2256 x (64/84)/(128/148) = 0.27831
     for rates in (H100_RATES, H200_RATES):
         assert attention_efficiency(rates, "fa2", False, 2048, 64, False) == pytest.approx(0.27831, abs=1e-5)
+
+
+# -- Transformer Engine's attention benchmark on H100, held out (benchmarks/fit_attention.py) ---------------
+
+
+def test_te_benchmark_times_give_the_measured_tflops() -> None:
+    # test_3 (b 2, h 32, kv groups 4, d 128, s 8192, causal): forward 4 x 2 x 32 x 8192^2 x 128 =
+    # 2.1990e12 FLOPs, backward 2.5x, halved causal: 3.8482e12; cuDNN 9.3.0 7.4875 ms -> 513.96
+    # TFLOP/s, flash-attn 2.4.2 11.8879 ms -> 323.71 (H100 SXM5, TE's notebook at 88c0c9143)
+    fa = _fit_module()
+    assert TE_ATTENTION_CONFIGS["test_3"] == (2, 32, 4, 128, 8192, True, False)
+    assert fa.te_flops("test_3") == pytest.approx(3.5 * 4 * 2 * 32 * 8192**2 * 128 / 2)
+    assert fa.te_tflops("sxm", "cudnn", "test_3") == pytest.approx(513.96, abs=0.01)
+    assert fa.te_tflops("sxm", "fa2", "test_3") == pytest.approx(323.71, abs=0.01)
+    # test_0 (b 2, h 16, d 64, s 512, no mask): 3.5 x 4 x 2 x 16 x 512^2 x 64 = 7.5162e9 FLOPs;
+    # cuDNN 0.0340 ms -> 221.06; the PCIe card (cuDNN 9.2.0) 0.0638 ms -> 117.81
+    assert fa.te_tflops("sxm", "cudnn", "test_0") == pytest.approx(221.06, abs=0.01)
+    assert fa.te_tflops("pcie", "cudnn", "test_0") == pytest.approx(117.81, abs=0.01)
+    assert TE_H100_MS["sxm"][("cudnn", "test_2")] == 0.9332 and ("fa2", "test_2") not in TE_H100_MS["sxm"]
+
+
+def test_te_held_out_check_prices_each_point_with_the_preset_and_the_fit() -> None:
+    # cuDNN at test_3, the preset: forward 595 / 989.5 / (16384 / 16592) x 4096 / 4304 x 0.894 of
+    # 989.5 = 512.74, backward (516) 444.66; the pair 3.5 / (1/512.74 + 2.5/444.66) = 462.1, 0.899 of
+    # the measured 514.0 (the bias config is not checked: the form has no bias)
+    fa = _fit_module()
+    checks = {(c.sku, c.kernel, c.test): c for c in fa.held_out({k: fa.fit("h100", k) for k in ("fa2", "cudnn")})}
+    assert not [k for k in checks if k[2] == "test_2"] and len(checks) == 12
+    c = checks[("sxm", "cudnn", "test_3")]
+    fwd = 595 * 16592 / 16384 * 4096 / 4304 * 0.894
+    bwd = 516 * 16592 / 16384 * 4096 / 4304 * 0.894
+    assert c.preset == pytest.approx(3.5 / (1 / fwd + 2.5 / bwd), rel=1e-9)
+    assert c.preset == pytest.approx(462.1, abs=0.1) and c.measured == pytest.approx(514.0, abs=0.1)
+    # the fit's own asymptotes (forward 0.6298, backward 0.5428 of 989.5) give 475.7
+    assert c.fitted == pytest.approx(475.7, abs=0.1)
+    # the PCIe card on its own peak, 756.5: flash-attn at test_3, the preset's fraction x 756.5
+    p = checks[("pcie", "fa2", "test_3")]
+    assert p.preset == pytest.approx(checks[("sxm", "fa2", "test_3")].preset / 989.5 * 756.5, rel=1e-9)
+
+
+def test_with_te_the_h100_fits_move_little_and_the_default_fits_not_at_all() -> None:
+    fa = _fit_module()
+    assert len(fa.points("h100", "cudnn", with_te=True)) == len(fa.points("h100", "cudnn")) + 3
+    f = fa.fit("h100", "cudnn", with_te=True)
+    assert (f.s0, f.d0) == (228.0, 76.0) and f.share == pytest.approx(0.915, abs=5e-4)
+    g = fa.fit("h100", "fa2", with_te=True)
+    assert (g.s0, g.d0) == (220.0, 20.0) and g.share == pytest.approx(0.918, abs=5e-4)
+    presets = fa.with_te_presets()
+    # the cited 595 TFLOP/s at 16k over the new s / (s + 228)
+    assert presets["cudnn"][1][0] == pytest.approx(595 / 989.5 * (16384 + 228) / 16384, rel=1e-9)
+    assert H100_RATES.attention_shape["cudnn"] == CUDNN_H100_SHAPE == (208.0, 72.0, 0.894)
+
+
+def test_attention_whatif_patches_the_hopper_presets_and_names_the_kernel_per_run() -> None:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_whatif.py"
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("attention_whatif_bench", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    saved = {k: DEVICES[k] for k in mod.HOPPER}
+    base = mod.fidelity.foundry_argv
+    try:
+        mod.patch(0.838)
+        r = DEVICES["h800"].rates
+        assert r.attention_shape["cudnn"] == (228.0, 76.0, 0.915) and r.sustained == 0.838
+        assert r.attention["cudnn"][0] == pytest.approx(595 / 989.5 * (16384 + 228) / 16384, rel=1e-9)
+        mod.kernels(["nemo2403=fa2"], ["nemo2403_b"])
+        row = {"id": "nemo2403_a", "model": {}, "parallelism": {}, "hardware": {}}
+        assert mod.fidelity.foundry_argv(row, [])[-2:] == ["--attention-kernel", "fa2"]
+        assert "--attention-kernel" not in mod.fidelity.foundry_argv({**row, "id": "nemo2403_b"}, [])
+        assert "--attention-kernel" not in mod.fidelity.foundry_argv({**row, "id": "nemo2407_a"}, [])
+    finally:
+        DEVICES.update(saved)
+        mod.fidelity.foundry_argv = base

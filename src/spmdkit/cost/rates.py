@@ -203,6 +203,28 @@ FA3_H100_BWD = {("fa2", 64): (198, 238, 264, 279, 287, 291), ("fa2", 128): (214,
 #: ``cudnn`` (36 points: forward and backward) ``S0`` 208, ``D0`` 72, causal share 0.894, rms 7.0%
 FA2_H100_SHAPE = (208.0, 20.0, 0.904)
 CUDNN_H100_SHAPE = (208.0, 72.0, 0.894)
+#: Transformer Engine's attention benchmark (NVIDIA/TransformerEngine
+#: benchmarks/attention/benchmark_attention.py, ``model_configs``), bf16, layout bshd, no dropout,
+#: forward + backward: test -> (batch, heads, kv groups, head dim, sequence, causal, bias). Each
+#: figure below is the mean over 3 timed iterations (after 3 untimed ones) of the summed nsys
+#: durations of the kernels whose names hold "cudnn" (4 a pass pair; +1 with a bias, +2 under
+#: GQA) or "void flash" (4: flash-attn's forward, dot(dO, O), dq/dk/dv, the dq conversion; the
+#: GQA reduction of dK, dV is a torch kernel, not counted): kernel time only, no host time, no
+#: reference checks. ``test_2`` adds a trained [1, h, s, s] bias (its read and its gradient):
+#: recorded, not modelled.
+TE_ATTENTION_CONFIGS = {"test_0": (2, 16, 16, 64, 512, False, False), "test_1": (2, 16, 16, 128, 2048, True, False),
+                        "test_2": (2, 16, 16, 128, 2048, True, True), "test_3": (2, 32, 4, 128, 8192, True, False)}
+#: the times (ms) its docs/examples/attention/attention.ipynb prints, (kernel, test) -> ms, on
+#: - ``sxm``: "NVIDIA H100 80GB HBM3" (H100 SXM5) at 88c0c9143 (2024-08-13, #1075; unchanged to
+#:   7dbdf7b2e, 2026-07), the notebook's logs: cuDNN 9.3.0, flash-attn 2.4.2, TE 1.10.0.dev0+ee85a91;
+#: - ``pcie``: "NVIDIA H100 PCIe" at 43569381c (2024-06-13, #889) .. 098e30060: cuDNN 9.2.0,
+#:   flash-attn 2.4.2, TE 1.8.0.dev0 (the same script, reformatted).
+TE_H100_MS = {"sxm": {("cudnn", "test_0"): 0.0340, ("fa2", "test_0"): 0.0468, ("cudnn", "test_1"): 0.3664,
+                      ("fa2", "test_1"): 0.5850, ("cudnn", "test_2"): 0.9332, ("cudnn", "test_3"): 7.4875,
+                      ("fa2", "test_3"): 11.8879},
+              "pcie": {("cudnn", "test_0"): 0.0638, ("fa2", "test_0"): 0.0858, ("cudnn", "test_1"): 0.5415,
+                       ("fa2", "test_1"): 0.7496, ("cudnn", "test_2"): 1.2302, ("cudnn", "test_3"): 12.0122,
+                       ("fa2", "test_3"): 19.0716}}
 #: Flash attention on H100 SXM5 at head dim 128 (each asymptote = the cited TFLOP/s / 989.5 / the
 #: sequence saturation, the kernel's ``S0``, at the cited length, so the model gives the cited figure
 #: there):
@@ -509,5 +531,6 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
 __all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "GPU_SPEED_SD", "H100_RATES", "H200_RATES", "HOPPER_POWER", "HOPPER_SUSTAINED", "K0_SCALE", "RowGroup", "TILES",
            "TRITON_A100", "TRITON_A100_FIG4", "TRITON_A100_SHAPE", "FA2_A100_FIG4", "FA2_A100_SHAPE",
            "FA2_H100_PAIR", "FA3_H100_FWD", "FA3_H100_BWD", "FA2_H100_SHAPE", "CUDNN_H100_SHAPE",
+           "TE_ATTENTION_CONFIGS", "TE_H100_MS",
            "Rates", "attention_efficiency", "clock_at_power", "gemm_efficiency", "measured_attention", "measured_gemm", "parse_rates",
            "expected_tiles", "grouped_efficiency", "grouped_tile_utilisation", "tile_wave_utilisation"]
