@@ -6,6 +6,7 @@ K-1 of the chunk's ``num_layers_per_pipeline_rank``, the others run as usual).""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -16,6 +17,7 @@ from spmdkit.cost.devices import load_device
 from spmdkit.cost.memory import check_recompute, memory_per_device, recompute_regions, saved_activations
 from spmdkit.cost.step import estimate_step
 from spmdkit.planner.planning import plan_model
+from spmdkit.program.runtime import Runtime
 
 #: tiny-llama (float32, batch 4, seq 8, hidden 16) at 4 layers on dp=2: 2 sequences a rank
 LAYERS = 4
@@ -37,12 +39,18 @@ def test_full_k_keeps_the_inputs_of_the_first_k_layers_and_everything_of_the_oth
     assert two.layer("layer 0") == two.layer("layer 1") == every.layer("layer 0") == INPUT
     assert {n for n, _ in two.tensors["layer 0"]} == {"embed.out"}
     assert {n for n, _ in two.tensors["layer 1"]} == {"layers.0.resid2"}
-    # the others keep what they keep without recomputation; layer 2's input is the output of the last
-    # recomputed layer, which full:K (as full does the last layer's, read by the final norm) counts as made again
+    # the others keep what they keep without recomputation, layer 2 its input too: the output of the last
+    # recomputed layer, which the checkpoint does not save but layer 2's norm, run as usual, does
+    # (Megatron-Core _checkpointed_forward, block method: layer K's input_layernorm outside the checkpoint)
     assert two.layer("layer 3") == none.layer("layer 3") > 10 * INPUT
-    assert two.layer("layer 2") == none.layer("layer 2") - INPUT
+    assert two.layer("layer 2") == none.layer("layer 2")
+    assert ("layers.1.resid2", INPUT) in two.tensors["layer 2"]
     assert two.layer("head") == none.layer("head")
-    assert two.total == 2 * INPUT + 2 * none.layer("layer 2") - INPUT + none.layer("head")
+    assert two.total == 2 * INPUT + 2 * none.layer("layer 2") + none.layer("head")
+    # full: each layer keeps its input, and the final norm (no layer, not checkpointed) the last layer's
+    # output, as without recomputation: the head keeps what it keeps under none
+    assert every.total == LAYERS * INPUT + none.layer("head")
+    assert every.layer("head") == none.layer("head") and ("layers.3.resid2", INPUT) in every.tensors["head"]
     mem = {m: memory_per_device(plan, m) for m in ("none", "full:1", "full:2", "full")}
     assert mem["full"].total < mem["full:2"].total < mem["full:1"].total < mem["none"].total
     assert mem["full:2"].saved is not None and mem["full:2"].saved.total == two.total
@@ -97,3 +105,30 @@ def test_full_k_refusals(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 2
     assert capsys.readouterr().err.strip() == ("spmdkit plan: ProgramError: --recompute full:3: recomputes the first 3 "
                                                "layers, but the model has 2 (give K from 1 to 2)")
+
+
+def test_full_k_is_refused_where_the_framework_has_no_count_of_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    # torchtitan's [activation_checkpoint] (9dec370: mode none / selective / full; selective_ac_option N
+    # wraps every N-th block) and NeMo AutoModel's activation_checkpointing (on or off) cannot recompute
+    # the first K layers
+    for fw in ("torchtitan", "automodel"):
+        with pytest.raises(ProgramError, match=rf"^--recompute full:1 with --framework {fw}: {fw}'s activation "
+                                               r"checkpointing has no setting that recomputes the first K layers"):
+            check_recompute("full:1", framework=fw)
+        assert check_recompute("full", framework=fw) == "full"
+        for mesh in ("dp=2", "pp=2,dp=1"):
+            rc = main(["plan", "--model", "tiny-llama", "--mesh", mesh, "--strategy", "dp", "--recompute", "full:1",
+                       "--framework", fw])
+            assert rc == 2
+            assert capsys.readouterr().err.strip() == (
+                f"spmdkit plan: ProgramError: --recompute full:1 with --framework {fw}: {fw}'s activation "
+                f"checkpointing has no setting that recomputes the first K layers (Megatron-LM's --recompute-method "
+                f"block); give full, selective or none, or --framework megatron")
+    assert check_recompute("full:1", framework="megatron") == "full:1"
+
+
+def test_full_keeps_the_last_layers_output_under_torchtitan_too(plan) -> None:  # type: ignore[no-untyped-def]
+    # torchtitan wraps each block in checkpoint_wrapper; its final norm, outside them, saves its input
+    titan = replace(plan, runtime=Runtime(framework="torchtitan"))
+    got, mega = saved_activations(titan, "full"), saved_activations(plan, "full")
+    assert got.per_layer == mega.per_layer and got.total == LAYERS * INPUT + saved_activations(plan).layer("head")

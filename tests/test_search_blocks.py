@@ -34,6 +34,7 @@ from spmdkit.planner.search import (
 )
 from spmdkit.planner.search_blocks import blocks_floor, least_blocks, wants_blocks
 from spmdkit.planner.search_bounds import Bounds
+from spmdkit.program.runtime import Runtime
 
 MODEL = "llama3-8b"
 OVER = {"layers": 24, "batch": 8, "seq": 4096}
@@ -181,7 +182,7 @@ def test_the_search_picks_full_k_over_full_and_exports_it(tmp_path: Path) -> Non
     (the step bound counts full:K: blocks_floor) finds it with the same figures; exported as
     Megatron-LM's three flags, and for torchtitan as mode full with one warning line."""
     over = {**OVER, "layers": 12}
-    cap = _cap(CFG, over, 0.3)
+    cap = _cap(CFG, over, 0.25)  # (0.3 left full:2 3 hidden states short: its layer 2 input, kept)
     res, pruned = (search_meshes(MODEL, 8, "h100", cap, strategies=["dp,zero1"], overrides=over, micro_batch=1,
                                  prune=prune) for prune in (False, True))
     best = res.best
@@ -212,3 +213,13 @@ def test_the_search_picks_full_k_over_full_and_exports_it(tmp_path: Path) -> Non
     warned = [line for line in err.splitlines() if "warning: --export-recipe torchtitan" in line]
     assert len(warned) == 1 and f"full:{k}" in warned[0]
     assert tomllib.loads(f.read_text())["activation_checkpoint"] == {"mode": "full"}
+
+
+def test_the_search_offers_no_full_k_under_a_framework_without_a_count_of_layers() -> None:
+    """torchtitan's and NeMo AutoModel's activation checkpointing cannot recompute the first K layers
+    (spmdkit.cost.checkpoints.NO_LAYER_COUNT): under a 30 GB cap torchtitan's search priced full:1 at
+    pp = 4 before; now its pipelines are priced with none, selective and full only."""
+    res = search_meshes(MODEL, 8, "h100", 30 * 10**9, strategies=["dp,zero1"], overrides={**OVER, "layers": 12},
+                        micro_batch=1, prune=False, runtime=Runtime(framework="torchtitan"))
+    modes = {c.config.recompute for c in res.fitting if c.config.pp > 1}
+    assert {"none", "full"} <= modes and not any(m.startswith("full:") for m in modes)

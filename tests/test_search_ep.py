@@ -242,7 +242,9 @@ def test_deepseek_v3_on_2048_h800_fits_with_a_breakdown_checked_by_hand() -> Non
     15,360 sequences as 120 microbatches of 128 (one sequence per data-parallel rank), layers
     recomputed: each category of the fullest rank from the catalog figures. With the model's
     multi-token-prediction module (mtp_layers 1, models/zoo_mtp.py) the fullest rank is the last
-    one (before it: rank 1, 25.41 GiB; now 29.97 GiB): its 2 layers, the MTP module (a MoE layer,
+    one (before it: rank 1, 25.41 GiB; then 29.97 GiB; 28.03 GiB since the outputs of the last layer
+    and of the MTP checkpoint are kept, read by the final norm and the head, and the two re-run after
+    the head's backward, not under its [S, V] gradient): its 2 layers, the MTP module (a MoE layer,
     eh_proj and 3 norms, recomputed as Megatron-Core does under full granularity), the final norm,
     the head, and its copy of the embedding the MTP module reads (its gradient all-reduced with
     the first stage's, its update on the first stage)."""
@@ -270,8 +272,10 @@ def test_deepseek_v3_on_2048_h800_fits_with_a_breakdown_checked_by_hand() -> Non
     assert mm.dense_parameters == dense * 2 and mm.dense_gradients == dense * 4
     assert mm.dense_states == pytest.approx(dense * 12 / 128, rel=1e-3)  # over dp x ep, uneven axes rounded up
     # full recompute: each layer's input and the MTP module's (its embedding lookup; the final norm's output,
-    # read by the head too, and its float32 statistics), and each head's softmax [S, V] (the model's and the MTP's)
-    assert mm.stash == 2 * S * H * 2 + 2 * S * H * 2 + S * 4 + 2 * S * V * 2
+    # read by the head too, and its float32 statistics), each head's softmax [S, V] (the model's and the MTP's),
+    # and the outputs of the two checkpoints that ops outside them save: the last layer's (the final norm's
+    # input) and the MTP's (its final norm, inside _proj_and_transformer_layer at core_v0.15.0: the head's input)
+    assert mm.stash == 2 * S * H * 2 + 2 * S * H * 2 + S * 4 + 2 * S * V * 2 + 2 * S * H * 2
     assert mm.activations == mm.working_peak + round((mm.in_flight - 1) * mm.stash)
     copy = V * H  # the embedding's copy on the last stage (tied: planner.stage_costs.shared_parameters)
     assert est.memory[mm.rank].parameters == mm.expert_parameters + mm.dense_parameters + copy * 2

@@ -60,6 +60,7 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
         with strategy_notes("plan"):
             req.model.check_config()
             runtime = req.links.runtime()  # a bad --precision / --framework named before planning
+            check_recompute(req.recompute or "none", True, runtime.framework)  # (full:K: megatron's alone)
             if req.links.device:  # and fp8 on a GPU without fp8 tensor cores
                 load_device(str(req.links.device)).check_precision(runtime.precision)
             devices = req.devices is not None

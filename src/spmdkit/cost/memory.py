@@ -58,8 +58,10 @@ Recomputation (``recompute``):
   moe, moe_act), each module's forward ops in each layer: :mod:`spmdkit.cost.recompute_modules`.
 - ``full``: every transformer layer (the ops of a layer group whose label has a number:
   ``layer 3`` of a preset, ``model.layers.3`` of an imported HF model) is run again in the
-  backward; only the tensors a layer reads from before it (its input) are kept. A program
-  without numbered layer labels is refused with a ProgramError.
+  backward; only the tensors a layer reads from before it (its input) are kept, and those of
+  its outputs that the backward of an op outside the recomputed layers reads (the last layer's
+  output, which the final norm saves: :mod:`spmdkit.cost.checkpoints`). A program without numbered
+  layer labels is refused with a ProgramError.
 
 :data:`RECOMPUTE` names the modes. :func:`recompute_regions` gives the recomputed forward ops.
 """
@@ -74,6 +76,7 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.checkpoints import NO_LAYER_COUNT, layer_outputs_kept
 from spmdkit.cost.context import regathers, ring_buffers
 from spmdkit.cost.context_torch import torch_cp_ops
 from spmdkit.cost.loss import FLASH_CE_BYTES
@@ -220,11 +223,18 @@ def recompute_layers(mode: str) -> int | None:
     return None
 
 
-def check_recompute(mode: str, pipeline: bool = False) -> str:
+def check_recompute(mode: str, pipeline: bool = False, framework: str | None = None) -> str:
     """``mode`` if it is one of :data:`RECOMPUTE`, ``full:K`` (:func:`recompute_layers`; K is
-    checked against the layers by :func:`recompute_regions`) or, for a pipeline,
-    :data:`MICROBATCH`, else a ProgramError naming ``--recompute``."""
-    if recompute_layers(mode) is not None or (pipeline and mode == MICROBATCH):
+    checked against the layers by :func:`recompute_regions`; refused under a ``framework`` of
+    :data:`NO_LAYER_COUNT`) or, for a pipeline, :data:`MICROBATCH`, else a ProgramError naming
+    ``--recompute``."""
+    if recompute_layers(mode) is not None:
+        if framework in NO_LAYER_COUNT:
+            raise ProgramError(f"--recompute {mode} with --framework {framework}: {framework}'s activation "
+                               f"checkpointing has no setting that recomputes the first K layers (Megatron-LM's "
+                               f"--recompute-method block); give full, selective or none, or --framework megatron")
+        return mode
+    if pipeline and mode == MICROBATCH:
         return mode
     if mode == MICROBATCH:
         raise ProgramError(f"--recompute {MICROBATCH}: microbatch-level recomputation applies to a pipeline "
@@ -414,8 +424,10 @@ def saved_activations(plan: Plan, recompute: str = "none", only: Collection[str]
     regions = recompute_regions(prog, recompute, plan.runtime.framework)
     if only is not None:
         regions = [r for r in regions if prog.ops[r[0]].layer in only]
+    whole = recompute == "full" or recompute_layers(recompute) is not None  # whole layers: their outputs
+    outside = layer_outputs_kept(prog, regions, reads) if whole else set()  # that an op after them saves
     for region in regions:
-        kept -= {n for i in region for n in prog.ops[i].output_names()}
+        kept -= {n for i in region for n in prog.ops[i].output_names()} - outside
     for region in regions:  # a region's inputs made before it are kept to run it again
         made = {n for i in region for n in prog.ops[i].output_names()}
         label = prog.ops[region[0]].layer
@@ -541,12 +553,16 @@ def rerun_points(plan: Plan, saved: ActivationMemory) -> tuple[dict[int, list[in
     """Where the backward runs forward work again: (backward op index -> the recomputed forward
     ops run right before it, backward op index -> the indices of the output reshards whose
     all-gather runs again right before it). A region runs again before the first backward op
-    that reads one of its outputs; a re-gathered tensor before its first backward reader."""
+    that reads one of its outputs not kept (those kept, a layer's output the next layer's norm or
+    the final norm saves, are read before the checkpoint's backward runs; where every output is
+    kept, the first reader of any); a re-gathered tensor before its first backward reader."""
     prog = plan.program
     reads = value_reads(prog)
+    kept = {n for lst in saved.tensors.values() for n, _ in lst}
     rerun: dict[int, list[int]] = {}
     for region in saved.recomputed:
-        firsts = [reads[n][0] for i in region for n in prog.ops[i].output_names() if n in reads]
+        outs = [n for i in region for n in prog.ops[i].output_names() if n in reads]
+        firsts = [reads[n][0] for n in outs if n not in kept] or [reads[n][0] for n in outs]
         if firsts:
             rerun.setdefault(min(firsts), []).extend(region)
     regather: dict[int, list[int]] = {}

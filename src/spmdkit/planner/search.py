@@ -67,6 +67,7 @@ from typing import Any, Protocol
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
+from spmdkit.cost.checkpoints import NO_LAYER_COUNT
 from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
 from spmdkit.cost.devices import Device, load_device, recost
 from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode
@@ -548,7 +549,7 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
             return memory_bound(cfg, bounds, kept[rc], f.full_peak if rc == "full" else 0.0) <= job.cap
 
         least = min((floor.step(cfg, rc, gathers) for rc in job.modes if fits(rc)), default=math.inf)
-        if cfg.pp > 1 and "full" in job.modes and "none" in job.modes:
+        if cfg.pp > 1 and "full" in job.modes and "none" in job.modes and job.runtime.framework not in NO_LAYER_COUNT:
             # full:K (planner.search_blocks): on the layers' floor without the gathers (its even
             # pipeline term: affine in the rerun), and at least no recomputation's with them
             # (StepFloor.step: without a MoE pipeline's split floor, which holds no recomputation's bytes).
@@ -695,7 +696,7 @@ def _blocks(cfg: Config, got: list[Candidate], counts: tuple[int, ...] | None, j
     mode (a pruned search prices no recomputation first where it stopped before it: full:K only
     adds recomputation to its step, so none at least the best found rules every K out)."""
     want = wants_blocks(cfg.pp, job.modes, [(c.config.recompute, c.fits, c.memory) for c in got])
-    if want is None or not counts:
+    if want is None or not counts or job.runtime.framework in NO_LAYER_COUNT:  # (no full:K there)
         return []
     none = next((c for c in got if c.config.recompute == "none"), None)
     if job.lean and none is None:
