@@ -47,6 +47,23 @@ def float8_unsupported(row: dict[str, Any]) -> str | None:
     return None
 
 
+#: torchtitan commits whose ``build_cross_entropy_loss`` compiles the loss under ``training.compile``
+#: (``torchtitan/components/loss.py``: ``loss_fn = torch.compile(loss_fn)`` from bbb1b616e, 2025-04-02),
+#: by the id prefix of the rows that ran them: the async TP tables (820504e) and Trainy's H200 runs
+#: (e7c0cae). The 2024-12 rows (9dec370: ``# if job_config.training.compile: loss_fn =
+#: torch.compile(loss_fn)``, commented out) and torchao's README rows (torchtitan 0.0.2, 0da8901b1:
+#: ``# compiled_cross_entropy_loss = torch.compile(cross_entropy_loss)``) ran the eager loss.
+COMPILED_LOSS_ROWS = ("torchtitan_202506_",)
+
+
+def loss_flags(row: dict[str, Any]) -> list[str]:
+    """``--cross-entropy-kernel compiled`` for a row whose torchtitan compiles the loss
+    (:data:`COMPILED_LOSS_ROWS`) and which ran with ``training.compile``; else none."""
+    if row["id"].startswith(COMPILED_LOSS_ROWS) and row["parallelism"].get("torch_compile"):
+        return ["--cross-entropy-kernel", "compiled"]
+    return []
+
+
 def _quantization(r: dict[str, Any]) -> str:
     p = str(r["precision"])
     return "float8 tensorwise" if "tensorwise" in p else "float8 rowwise" if "rowwise" in p else "bf16"

@@ -143,6 +143,24 @@ def test_an_h200_row_plans_on_the_h200_preset() -> None:
     assert case.memory_measured_gib == 47.96
 
 
+def test_the_compiled_loss_goes_to_the_rows_whose_torchtitan_compiles_it() -> None:
+    # torchtitan components/loss.py: torch.compile(loss_fn) under training.compile from bbb1b616e (2025-04);
+    # 820504e (async TP tables) and e7c0cae (Trainy) have it, 9dec370 (2024-12) and 0da8901b1 (torchao's
+    # README table) comment it out
+    flag = ["--cross-entropy-kernel", "compiled"]
+    assert FT.loss_flags(ROWMAP["torchtitan_202506_h200_8b_32gpu_float8"]) == flag
+    assert FT.loss_flags(ROWMAP["torchtitan_202506_asynctp_8b_64gpu_bf16_vanillatp"]) == flag
+    assert FT.loss_flags(ROWMAP["torchtitan_202503_torchao_8b_8gpu_bf16"]) == []
+    published = json.loads((ROOT / "benchmarks" / "data" / "published-runs.json").read_text())
+    if isinstance(published, dict):
+        published = published["runs"]
+    assert not [r["id"] for r in published if FT.loss_flags(r)]
+    row = copy.deepcopy(ROWMAP["torchtitan_202506_h200_8b_32gpu_float8"])
+    row["parallelism"]["fsdp_float8_all_gather"] = False
+    with tempfile.TemporaryDirectory() as d:
+        assert _opt(FID.express(row, Path(d)).argv, "--cross-entropy-kernel") == "compiled"
+
+
 def test_async_tp_is_predicted_faster_than_vanilla_tp() -> None:
     # the 70B bf16 pair: measured 597.3 -> 652.4 tokens/s a GPU (1.09x); the prediction orders them too
     rows = [ROWMAP["torchtitan_202506_asynctp_70b_256gpu_bf16_vanillatp"],

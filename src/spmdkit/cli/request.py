@@ -245,7 +245,8 @@ def _add_loss_arguments(p: argparse.ArgumentParser) -> None:
                    help="framework torchtitan: the loss is flash-attn's fused CrossEntropyLoss in the model code "
                         "(llm-foundry MPT's loss_fn: fused_crossentropy): flash-attn-xentropy (flash-attn <= 2.2.2, "
                         "CUDA xentropy) or flash-attn-triton (>= 2.2.3); one kernel over the bf16 logits each way, "
-                        "no fp32 copy (default: the framework's own loss)")
+                        "no fp32 copy; compiled: torchtitan's own loss compiled under --compile (torchtitan from "
+                        "2025-04: torch.compile(loss_fn) if training.compile) (default: the framework's own loss)")
 
 
 def _add_cp_arguments(p: argparse.ArgumentParser) -> None:

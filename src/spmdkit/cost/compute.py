@@ -37,7 +37,7 @@ from spmdkit.core.reshard import CostModel
 from spmdkit.cost.context import CP_RULES, cp_op_cost
 from spmdkit.cost.context_torch import torch_cp_op_cost
 from spmdkit.cost.eager import eager_cost
-from spmdkit.cost.loss import LOSS_BACKWARD, LOSS_FORWARD, flash_ce_cost, loss_cost
+from spmdkit.cost.loss import LOSS_BACKWARD, LOSS_FORWARD, flash_ce_cost, fused_loss, loss_cost
 from spmdkit.cost.moe import active_share, expert_op_cost, sorted_by_expert
 from spmdkit.cost.optimizer_step import megatron_update_cost
 from spmdkit.cost.recompute_modules import NORMS
@@ -334,7 +334,8 @@ def op_cost(plan: Plan, i: int) -> OpCost:
     (:func:`spmdkit.cost.moe.expert_op_cost`); a cp attention op as its busiest rank runs it (a
     ring's steps, the causal imbalance without zig-zag: :func:`spmdkit.cost.context.cp_op_cost`); a
     softmax cross-entropy over the logits as the framework runs it (:func:`spmdkit.cost.loss.loss_cost`), or
-    flash-attn's fused kernel under ``--cross-entropy-kernel`` (:func:`spmdkit.cost.loss.flash_ce_cost`); an Adam
+    flash-attn's fused kernel or torchtitan's compiled loss under ``--cross-entropy-kernel``
+    (:func:`spmdkit.cost.loss.flash_ce_cost`); an Adam
     update as Megatron's optimizer step runs it (:func:`spmdkit.cost.optimizer_step.megatron_update_cost`)."""
     opp = plan.ops[i]
     lop = local_op(plan.program, i, opp.required, opp.outputs, plan.attrs)
@@ -351,8 +352,9 @@ def op_cost(plan: Plan, i: int) -> OpCost:
     c = fused_wgrad(plan, i, lop, c)
     if rt.framework == "megatron" and opp.op.phase == "optimizer":  # its optimizer step's passes
         c = megatron_update_cost(plan, i, lop, c)
-    if rt.ce_kernel is not None and _canonical(opp.op.rule) in LOSS_FORWARD | LOSS_BACKWARD:
-        return flash_ce_cost(_canonical(opp.op.rule), lop, c, rt.ce_kernel)  # flash-attn's loss: not the eager one
+    if _canonical(opp.op.rule) in LOSS_FORWARD | LOSS_BACKWARD and fused_loss(plan, i):
+        # flash-attn's loss or torchtitan's compiled one: not the eager one
+        return flash_ce_cost(_canonical(opp.op.rule), lop, c, str(rt.ce_kernel))
     if rt.framework == "torchtitan":  # its model code's eager ops (and, under --compile, the loss and repeat_kv)
         c = eager_cost(lop, c, rt.eager)
     return loss_cost(_canonical(opp.op.rule), lop, c, rt.framework, rt.ce_fusion)

@@ -76,7 +76,7 @@ from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.context import regathers, ring_buffers
 from spmdkit.cost.context_torch import torch_cp_ops
-from spmdkit.cost.loss import FLASH_CE_BYTES
+from spmdkit.cost.loss import FLASH_CE_BYTES, fused_loss
 from spmdkit.cost.memory_cp import allgather_buffers, shared_gathers
 from spmdkit.cost.memory_fsdp2 import copy_in_pool, makes_no_copy
 from spmdkit.cost.moe import combine_rows_unkept, plan_loads
@@ -909,7 +909,7 @@ def loss_bytes(plan: Plan, i: int) -> tuple[int, int, int]:
     (:data:`LOSS_BYTES`, :data:`LOSS_PARALLEL_BYTES` where its logits are vocab-sharded;
     :data:`spmdkit.cost.loss.FLASH_CE_BYTES` under ``--cross-entropy-kernel``)."""
     fw = plan.runtime.framework
-    if plan.runtime.ce_kernel is not None:  # flash-attn's kernel: the 16-bit logits saved, no fp32 copy
+    if fused_loss(plan, i):  # flash-attn's kernel, the compiled loss: the 16-bit logits saved, no fp32 copy
         return FLASH_CE_BYTES
     if fw in LOSS_PARALLEL_BYTES:
         attr = plan.attrs[plan.program.ops[i].output_names()[0]]

@@ -37,8 +37,10 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   ``flash-attn-triton`` (from v2.2.3: the Triton kernel). One kernel over the 16-bit logits
   each way, no fp32 copy; the logits saved for the backward (:mod:`spmdkit.cost.loss`). Under
   ``--framework torchtitan`` only (FSDP with eager model code, how llm-foundry's Composer runs
-  are planned); Megatron and AutoModel run their own losses and are refused. None: the
-  framework's loss.
+  are planned); Megatron and AutoModel run their own losses and are refused. ``compiled``:
+  torchtitan's own loss compiled by Inductor (``torch.compile(cross_entropy_loss)`` under
+  ``training.compile``, torchtitan from bbb1b616e, 2025-04): the bf16 logits saved, no fp32 copy,
+  one kernel each way; with ``--compile`` only. None: the framework's loss.
 - ``p2p_overlap``: the interleaved pipeline's sends overlap the next unit's compute (Megatron's
   ``overlap_p2p_comm``, on by default since 2023); off (``--no-p2p-overlap``): every send blocks
   its sender, as Megatron-LM's ``batch_isend_irecv`` + ``torch.cuda.synchronize()`` of 2021-2022.
@@ -108,7 +110,7 @@ DISPATCHERS = ("alltoall", "deepep")
 #: ``--moe-routing`` values (module docstring)
 ROUTINGS = ("topk", "balanced")
 #: ``--cross-entropy-kernel``: flash-attn's fused cross-entropy kernels (:mod:`spmdkit.cost.loss`)
-CE_KERNELS = ("flash-attn-xentropy", "flash-attn-triton")
+CE_KERNELS = ("flash-attn-xentropy", "flash-attn-triton", "compiled")
 #: ``--moe-skew NAME``: published per-expert load imbalances, the busiest expert's tokens over the
 #: mean (``1 + MaxVio``, ``1 + (max - mean) / mean``), and where each is from (docs/experts.md,
 #: "Routing skew: the published figures")
@@ -235,6 +237,10 @@ class Runtime:
                                f"(it runs its own loss)")
         if self.ce_fusion:
             raise ProgramError("--cross-entropy-kernel and --cross-entropy-fusion: give one, not both")
+        if self.ce_kernel == "compiled" and not self.compile:
+            raise ProgramError("--cross-entropy-kernel compiled: torchtitan compiles its loss under --compile only "
+                               "(build_cross_entropy_loss: torch.compile(loss_fn) if training.compile); give "
+                               "--compile, or leave the option out for the eager loss")
 
     @property
     def eager(self) -> bool:
