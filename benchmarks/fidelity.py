@@ -64,7 +64,7 @@ from spmdkit.program.runtime import DISPATCHERS  # the MoE dispatchers --moe-dis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity_foundry import FOUNDRY, foundry_argv
 from fidelity_tables import RunsSection, run_table, runs_section
-from fidelity_torchtitan import TORCHTITAN_2025, float8_unsupported
+from fidelity_torchtitan import TORCHTITAN_2025, float8_unsupported, fsdp_float8_flags, loss_flags
 
 #: the published runs (a copy of the team's shared calibration set; benchmarks/data/published-runs.md)
 RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
@@ -402,6 +402,8 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv += ["--moe-skew", str(par["moe_skew"])]
     if framework == "torchtitan":  # training.compile: Inductor's fused blocks, or eager PyTorch ops
         argv.append("--compile" if par.get("torch_compile") else "--no-compile")
+        argv += loss_flags(row)  # torchtitan from 2025-04 compiles its loss under training.compile
+        argv += fsdp_float8_flags(row)  # torchao's float8 all-gather under FSDP2
     overlaps = str(par.get("overlaps") or "")
     if "--tp-comm-overlap" in overlaps or par.get("async_tp") or (nemo is not None and nemo[0] and tp > 1):
         argv.append("--tp-comm-overlap")

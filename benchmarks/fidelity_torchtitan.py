@@ -9,7 +9,7 @@ on 8 H100s (bf16 / tensorwise / rowwise, TPS and memory). None of it is in ``ban
 The rows are planned as the ``torchtitan_202412`` rows of the published set are (``--framework
 torchtitan``, the 96GB device file of Grand Teton at 500 W, ``--compile``, torchtitan's op-level SAC
 as ``--recompute selective``, ``--tp-comm-overlap`` for async TP, ``--precision fp8`` for torchao's
-float8 tensorwise linears). Two torchao float8 features are not modelled, and a row that ran them is
+float8 tensorwise linears). One torchao float8 feature is not modelled, and a row that ran it is
 counted unsupported by that feature (:func:`float8_unsupported`):
 
 - rowwise scaling (torchtitan ``--float8.recipe_name rowwise``; torchtitan
@@ -18,11 +18,12 @@ counted unsupported by that feature (:func:`float8_unsupported`):
   rate than the tensorwise one the planner prices) and, under TP, the all-gathers in bf16
   (``parallelize_llama.py`` at 820504e: ``enable_float8_tensorwise_tp = enable_float8_linear and not
   float8_is_rowwise``);
-- FSDP2's float8 all-gather (``--float8.enable_fsdp_float8_all_gather``, torchao
-  ``torchao/float8/fsdp_utils.py``: ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` casts
-  the weight's shard to float8 and FSDP2 gathers 1 byte an element; with
-  ``precompute_float8_dynamic_scale_for_fsdp`` one amax all-reduce after each optimizer step): the
-  planner gathers FSDP2's parameters in bf16.
+
+FSDP2's float8 all-gather (``--float8.enable_fsdp_float8_all_gather``, torchao
+``torchao/float8/fsdp_utils.py``: ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` casts
+the weight's shard to float8 and FSDP2 gathers 1 byte an element; with
+``precompute_float8_dynamic_scale_for_fsdp`` one amax all-reduce after each optimizer step) is
+planned with ``--fsdp-float8-all-gather`` (:func:`fsdp_float8_flags`).
 """
 
 from __future__ import annotations
@@ -38,13 +39,40 @@ TORCHTITAN_2025_HEADING = "## Out-of-sample check: torchtitan's 2025 benchmarks 
 
 def float8_unsupported(row: dict[str, Any]) -> str | None:
     """The torchao float8 feature of ``row`` the planner does not model (the module's docstring), or
-    None: rowwise scaling (``precision`` names it), FSDP2's float8 all-gather
-    (``parallelism.fsdp_float8_all_gather``)."""
+    None: rowwise scaling (``precision`` names it). FSDP2's float8 all-gather is modelled
+    (:func:`fsdp_float8_flags`)."""
     if "rowwise" in str(row.get("precision") or "").lower():
         return "float8 rowwise scaling (torchao recipe_name rowwise: rowwise-scaled _scaled_mm, bf16 TP all-gathers)"
-    if row["parallelism"].get("fsdp_float8_all_gather"):
-        return "FSDP2 float8 all-gather (torchao enable_fsdp_float8_all_gather: weights gathered in float8)"
     return None
+
+
+def fsdp_float8_flags(row: dict[str, Any]) -> list[str]:
+    """``--fsdp-float8-all-gather`` for a row that ran torchao's float8 all-gather under FSDP2
+    (``parallelism.fsdp_float8_all_gather``: ``--float8.enable_fsdp_float8_all_gather`` with
+    ``--float8.precompute_float8_dynamic_scale_for_fsdp`` on its command line); else none."""
+    if row["parallelism"].get("fsdp_float8_all_gather"):
+        if not row["parallelism"].get("precompute_float8_dynamic_scale"):
+            raise ValueError(f"{row['id']}: the float8 all-gather without precompute_float8_dynamic_scale_for_fsdp "
+                             f"(an amax all-reduce a weight before each gather) is not modelled")
+        return ["--fsdp-float8-all-gather"]
+    return []
+
+
+#: torchtitan commits whose ``build_cross_entropy_loss`` compiles the loss under ``training.compile``
+#: (``torchtitan/components/loss.py``: ``loss_fn = torch.compile(loss_fn)`` from bbb1b616e, 2025-04-02),
+#: by the id prefix of the rows that ran them: the async TP tables (820504e) and Trainy's H200 runs
+#: (e7c0cae). The 2024-12 rows (9dec370: ``# if job_config.training.compile: loss_fn =
+#: torch.compile(loss_fn)``, commented out) and torchao's README rows (torchtitan 0.0.2, 0da8901b1:
+#: ``# compiled_cross_entropy_loss = torch.compile(cross_entropy_loss)``) ran the eager loss.
+COMPILED_LOSS_ROWS = ("torchtitan_202506_",)
+
+
+def loss_flags(row: dict[str, Any]) -> list[str]:
+    """``--cross-entropy-kernel compiled`` for a row whose torchtitan compiles the loss
+    (:data:`COMPILED_LOSS_ROWS`) and which ran with ``training.compile``; else none."""
+    if row["id"].startswith(COMPILED_LOSS_ROWS) and row["parallelism"].get("torch_compile"):
+        return ["--cross-entropy-kernel", "compiled"]
+    return []
 
 
 def _quantization(r: dict[str, Any]) -> str:

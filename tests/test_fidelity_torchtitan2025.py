@@ -36,7 +36,8 @@ FT = importlib.import_module("fidelity_torchtitan")  # benchmarks/ is on sys.pat
 TT: list[dict[str, Any]] = json.loads(FT.TORCHTITAN_2025_RUNS.read_text())
 ROWMAP = {r["id"]: r for r in TT}
 ROWWISE = "float8 rowwise scaling (torchao recipe_name rowwise: rowwise-scaled _scaled_mm, bf16 TP all-gathers)"
-FP8_GATHER = "FSDP2 float8 all-gather (torchao enable_fsdp_float8_all_gather: weights gathered in float8)"
+FP8_GATHER_ROWS = ["torchtitan_202503_torchao_8b_8gpu_tensorwise", "torchtitan_202506_h200_8b_32gpu_float8",
+                   "torchtitan_202506_h200_8b_64gpu_float8"]
 
 
 def _opt(argv: list[str], flag: str) -> str:
@@ -60,11 +61,11 @@ def test_every_row_is_expressed_or_unsupported_by_feature() -> None:
             assert _opt(case.argv, "--framework") == "torchtitan" and "--compile" in case.argv
             assert ("--tp-comm-overlap" in case.argv) == row["parallelism"]["async_tp"]
             assert _opt(case.argv, "--precision") == ("fp8" if "tensorwise" in row["precision"] else "bf16")
-    assert set(unsupported) == {ROWWISE, FP8_GATHER}
-    assert len(expressed) == 9 and len(unsupported[ROWWISE]) == 5
-    assert sorted(unsupported[FP8_GATHER]) == ["torchtitan_202503_torchao_8b_8gpu_tensorwise",
-                                               "torchtitan_202506_h200_8b_32gpu_float8",
-                                               "torchtitan_202506_h200_8b_64gpu_float8"]
+            # FSDP2's float8 all-gather (--float8.enable_fsdp_float8_all_gather): the three rows that ran it
+            assert ("--fsdp-float8-all-gather" in case.argv) == (row["id"] in FP8_GATHER_ROWS)
+    assert set(unsupported) == {ROWWISE}
+    assert len(expressed) == 12 and len(unsupported[ROWWISE]) == 5
+    assert set(FP8_GATHER_ROWS) <= set(expressed)
 
 
 def test_the_measured_figures_are_the_quoted_source_lines() -> None:
@@ -126,21 +127,40 @@ def test_the_float8_features_name_only_these_rows() -> None:
               "foundry-runs.json"):
         assert all(FT.float8_unsupported(r) is None for r in json.loads((data / f).read_text())), f
     assert FT.float8_unsupported(ROWMAP["torchtitan_202506_asynctp_8b_64gpu_rowwise_asynctp"]) == ROWWISE
-    assert FT.float8_unsupported(ROWMAP["torchtitan_202506_h200_8b_64gpu_float8"]) == FP8_GATHER
+    assert FT.float8_unsupported(ROWMAP["torchtitan_202506_h200_8b_64gpu_float8"]) is None  # modelled
+    assert FT.fsdp_float8_flags(ROWMAP["torchtitan_202506_h200_8b_64gpu_float8"]) == ["--fsdp-float8-all-gather"]
     assert FT.float8_unsupported(ROWMAP["torchtitan_202506_asynctp_70b_256gpu_tensorwise_vanillatp"]) is None
 
 
 def test_an_h200_row_plans_on_the_h200_preset() -> None:
     # the Trainy rows' GPU (8 H200 a host over NVLink: the SXM part, 141 GB): --device h200, its 141 GB the fit;
-    # the row itself is unsupported by its FSDP float8 all-gather
-    row = copy.deepcopy(ROWMAP["torchtitan_202506_h200_8b_32gpu_float8"])
-    row["parallelism"]["fsdp_float8_all_gather"] = False
+    # its FSDP float8 all-gather and compiled loss as flags
+    row = ROWMAP["torchtitan_202506_h200_8b_32gpu_float8"]
     with tempfile.TemporaryDirectory() as d:
         case = FID.express(row, Path(d))
+    assert "--fsdp-float8-all-gather" in case.argv and _opt(case.argv, "--cross-entropy-kernel") == "compiled"
     assert _opt(case.argv, "--device") == "h200" and case.device_memory_gib == pytest.approx(141e9 / 2**30)
     assert _opt(case.argv, "--mesh") == "dp=32,tp=1" and _opt(case.argv, "--strategy") == "dp,zero3"
     assert _opt(case.argv, "--batch") == "64" and _opt(case.argv, "--recompute") == "selective"
     assert case.memory_measured_gib == 47.96
+
+
+def test_the_compiled_loss_goes_to_the_rows_whose_torchtitan_compiles_it() -> None:
+    # torchtitan components/loss.py: torch.compile(loss_fn) under training.compile from bbb1b616e (2025-04);
+    # 820504e (async TP tables) and e7c0cae (Trainy) have it, 9dec370 (2024-12) and 0da8901b1 (torchao's
+    # README table) comment it out
+    flag = ["--cross-entropy-kernel", "compiled"]
+    assert FT.loss_flags(ROWMAP["torchtitan_202506_h200_8b_32gpu_float8"]) == flag
+    assert FT.loss_flags(ROWMAP["torchtitan_202506_asynctp_8b_64gpu_bf16_vanillatp"]) == flag
+    assert FT.loss_flags(ROWMAP["torchtitan_202503_torchao_8b_8gpu_bf16"]) == []
+    published = json.loads((ROOT / "benchmarks" / "data" / "published-runs.json").read_text())
+    if isinstance(published, dict):
+        published = published["runs"]
+    assert not [r["id"] for r in published if FT.loss_flags(r)]
+    row = copy.deepcopy(ROWMAP["torchtitan_202506_h200_8b_32gpu_float8"])
+    row["parallelism"]["fsdp_float8_all_gather"] = False
+    with tempfile.TemporaryDirectory() as d:
+        assert _opt(FID.express(row, Path(d)).argv, "--cross-entropy-kernel") == "compiled"
 
 
 def test_async_tp_is_predicted_faster_than_vanilla_tp() -> None:

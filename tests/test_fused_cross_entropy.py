@@ -78,7 +78,7 @@ def test_the_loss_options_are_refused_where_the_framework_lacks_them() -> None:
                                            r"torchtitan"):
         Runtime(framework="torchtitan", ce_fusion=True)
     with pytest.raises(ProgramError, match=r"--cross-entropy-kernel 'liger': expected one of flash-attn-xentropy, "
-                                           "flash-attn-triton"):
+                                           "flash-attn-triton, compiled"):
         Runtime(framework="torchtitan", ce_kernel="liger")
     assert issubclass(ProgramError, SpmdError)
     err = io.StringIO()

@@ -78,6 +78,7 @@ class Links:
     moe_routing: str | None = None
     ce_fusion: bool = False
     ce_kernel: str | None = None
+    fsdp_float8_all_gather: bool = False
     p2p_overlap: bool = True
     pp_scatter_gather: bool = False
     ep_comm_overlap: bool = False
@@ -98,6 +99,7 @@ class Links:
                        compile=self.compile, moe_dispatcher=(self.moe_dispatcher or "alltoall").strip().lower(),
                        moe_routing=(self.moe_routing or "topk").strip().lower(),
                        ce_fusion=self.ce_fusion, ce_kernel=self.ce_kernel, p2p_overlap=self.p2p_overlap,
+                       fsdp_float8_all_gather=self.fsdp_float8_all_gather,
                        pp_scatter_gather=self.pp_scatter_gather,
                        ep_comm_overlap=self.ep_comm_overlap, grad_overlap=self.grad_overlap,
                        tp_allreduce_overlap=self.tp_allreduce_overlap, wgrad_fusion=self.wgrad_fusion,
@@ -245,7 +247,8 @@ def _add_loss_arguments(p: argparse.ArgumentParser) -> None:
                    help="framework torchtitan: the loss is flash-attn's fused CrossEntropyLoss in the model code "
                         "(llm-foundry MPT's loss_fn: fused_crossentropy): flash-attn-xentropy (flash-attn <= 2.2.2, "
                         "CUDA xentropy) or flash-attn-triton (>= 2.2.3); one kernel over the bf16 logits each way, "
-                        "no fp32 copy (default: the framework's own loss)")
+                        "no fp32 copy; compiled: torchtitan's own loss compiled under --compile (torchtitan from "
+                        "2025-04: torch.compile(loss_fn) if training.compile) (default: the framework's own loss)")
 
 
 def _add_cp_arguments(p: argparse.ArgumentParser) -> None:
@@ -370,6 +373,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-comm-overlap", dest="tp_comm_overlap", action="store_true",
                    help="tensor-parallel all-gathers and reduce-scatters overlap the GEMMs (Megatron's "
                         "--tp-comm-overlap, torch async TP)")
+    p.add_argument("--fsdp-float8-all-gather", dest="fsdp_float8_all_gather", action="store_true",
+                   help="--precision fp8 --framework torchtitan on a ZeRO-3 plan: FSDP2 gathers the fp8 linears' "
+                        "weights in float8 (torchao's enable_fsdp_float8_all_gather with "
+                        "precompute_float8_dynamic_scale_for_fsdp): 1 byte an element gathered and held")
     p.add_argument("--ep-comm-overlap", dest="ep_comm_overlap", action="store_true",
                    help="mixture of experts, interleaved pipeline: a forward and another microbatch's backward run "
                         "as one merged step, each one's expert-parallel all-to-alls under the other's computation "

@@ -22,7 +22,12 @@ sent (``deallocate_output_tensor``) and the next stage's first layer keeps it as
 
 from __future__ import annotations
 
+from spmdkit.core.errors import ProgramError
+from spmdkit.cost.recompute_modules import MODULES, recompute_modules
 from spmdkit.program.ir import Program
+
+#: the recomputation modes besides ``full:K``, ``selective:M1,M2`` and :data:`MICROBATCH`
+RECOMPUTE = ("none", "selective", "full")
 
 #: the frameworks whose activation checkpointing has no count of layers (``full:K`` refused):
 #: torchtitan's ``[activation_checkpoint]`` (9dec370: ``mode`` none / selective / full, and
@@ -30,6 +35,53 @@ from spmdkit.program.ir import Program
 #: SelectiveAC, MemoryBudgetAC, no layer option) and NeMo AutoModel's
 #: ``distributed.activation_checkpointing`` (a bool; later ``"selective"`` or ``"full"``)
 NO_LAYER_COUNT = ("torchtitan", "automodel")
+
+
+#: microbatch-level recomputation (Korthikanti et al. 2022, App. C), a pipeline's mode: each
+#: pipeline rank keeps every activation of as many of its in-flight microbatches as its memory
+#: allows and recomputes the attention core (``selective``) of the others
+MICROBATCH = "microbatch"
+
+
+def recompute_layers(mode: str) -> int | None:
+    """K of ``full:K`` (full recomputation of the first K layers of each pipeline stage, of the
+    model without a pipeline, as Megatron-LM's ``--recompute-granularity full --recompute-method
+    block --recompute-num-layers K``), None for the other modes."""
+    if isinstance(mode, str) and mode.startswith("full:"):
+        k = mode[5:]
+        if not (k.isascii() and k.isdigit() and 1 <= len(k) <= 6 and int(k) >= 1):
+            raise ProgramError(f"--recompute {mode[:40]!r}: expected full:K with K >= 1 layers per stage")
+        return int(k)
+    return None
+
+
+def check_recompute(mode: str, pipeline: bool = False, framework: str | None = None) -> str:
+    """``mode`` if it is one of :data:`RECOMPUTE`, ``full:K`` (:func:`recompute_layers`; K is
+    checked against the layers by :func:`recompute_regions`; refused under a ``framework`` of
+    :data:`NO_LAYER_COUNT`) or, for a pipeline, :data:`MICROBATCH`, else a ProgramError naming
+    ``--recompute``."""
+    if recompute_layers(mode) is not None:
+        if framework in NO_LAYER_COUNT:
+            raise ProgramError(f"--recompute {mode} with --framework {framework}: {framework}'s activation "
+                               f"checkpointing has no setting that recomputes the first K layers (Megatron-LM's "
+                               f"--recompute-method block); give full, selective or none, or --framework megatron")
+        return mode
+    if pipeline and mode == MICROBATCH:
+        return mode
+    if mode == MICROBATCH:
+        raise ProgramError(f"--recompute {MICROBATCH}: microbatch-level recomputation applies to a pipeline "
+                           f"(give --mesh with a pp dim)")
+    if mode not in RECOMPUTE and recompute_modules(mode) is None:
+        shown = repr(mode[:40]) if isinstance(mode, str) else type(mode).__name__
+        raise ProgramError(f"--recompute {shown}: expected one of {', '.join((*RECOMPUTE, MICROBATCH))} or "
+                           f"selective:M1,M2 (modules {', '.join(MODULES)})")
+    return mode
+
+
+def per_microbatch_mode(mode: str) -> str:
+    """The recomputation of one microbatch's plan: ``selective`` for :data:`MICROBATCH` (its
+    recomputed microbatches'), ``full`` for ``full:K`` (its recomputed layers'), else ``mode``."""
+    return "selective" if mode == MICROBATCH else ("full" if recompute_layers(mode) is not None else mode)
 
 
 def layer_outputs_kept(prog: Program, regions: list[list[int]], reads: dict[str, list[int]]) -> set[str]:
@@ -46,4 +98,5 @@ def layer_outputs_kept(prog: Program, regions: list[list[int]], reads: dict[str,
     return out
 
 
-__all__ = ["NO_LAYER_COUNT", "layer_outputs_kept"]
+__all__ = ["MICROBATCH", "NO_LAYER_COUNT", "RECOMPUTE", "check_recompute", "layer_outputs_kept", "per_microbatch_mode",
+           "recompute_layers"]

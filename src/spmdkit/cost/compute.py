@@ -31,16 +31,17 @@ from typing import Any
 
 import spmdkit.ops  # noqa: F401  (registers every op family, and with it its facts)
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
-from spmdkit.core.errors import SpmdError
+from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.context import CP_RULES, cp_op_cost
 from spmdkit.cost.context_torch import torch_cp_op_cost
 from spmdkit.cost.eager import eager_cost
-from spmdkit.cost.loss import LOSS_BACKWARD, LOSS_FORWARD, flash_ce_cost, loss_cost
+from spmdkit.cost.loss import LOSS_BACKWARD, LOSS_FORWARD, flash_ce_cost, fused_loss, loss_cost
 from spmdkit.cost.moe import active_share, expert_op_cost, sorted_by_expert
 from spmdkit.cost.optimizer_step import megatron_update_cost
 from spmdkit.cost.recompute_modules import NORMS
+from spmdkit.cost.shards import local_numel
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
 from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, declared, facts_of
 from spmdkit.engine.memo import Recent, memo_enabled, memo_table
@@ -236,12 +237,52 @@ def fp8_weights(prog: Program) -> frozenset[str]:
     return fp8_layers(prog).weights
 
 
-def _fp8(prog: Program, i: int, lop: LocalOp, c: OpCost) -> OpCost:
+#: bytes a sharded weight element moves in torchao's ``fsdp_pre_all_gather`` with a precomputed
+#: scale (``hp_tensor_and_scale_to_float8`` of the fp32 shard: read 4, write the float8 1), once
+#: per all-gather; and in ``precompute_float8_dynamic_scale_for_fsdp`` (``torch._foreach_norm(weights,
+#: ord=inf)`` over the fp32 shards: read 4), once per step after the optimizer
+FP8_PRE_GATHER, FP8_AMAX = 5.0, 4.0
+
+
+def fp8_gathered(plan: Plan) -> frozenset[str]:
+    """Under ``--fsdp-float8-all-gather`` (torchao ``torchao/float8/fsdp_utils.py``:
+    ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` returns the float8 ``_data`` of the
+    cast shard and its scale; ``fsdp_post_all_gather`` wraps the gathered bytes as a ``Float8Tensor``
+    that ``matmul_with_hp_or_float8_args`` uses as is, forward and backward): the fp8 weights
+    (:func:`fp8_weights`) the plan stores sharded, which FSDP2 gathers and holds at 1 byte an
+    element. Empty without the option; a ProgramError where the plan stores no parameter sharded."""
+    if not plan.runtime.fsdp_float8_all_gather:
+        return frozenset()
+    if not plan.storage:
+        raise ProgramError("--fsdp-float8-all-gather: the plan stores no parameter sharded; the float8 all-gather is "
+                           "FSDP2's: give a ZeRO-3 strategy (zero3 in --strategy)")
+    return fp8_weights(plan.program) & frozenset(plan.storage)
+
+
+def _shard(plan: Plan, w: str) -> int:
+    """Local elements of the stored (sharded) weight ``w``."""
+    return local_numel(plan.storage[w], plan.program.tensors[w].shape)
+
+
+def fp8_amax_cost(plan: Plan, i: int, c: OpCost) -> OpCost:
+    """``c`` (an optimizer op) with ``precompute_float8_dynamic_scale_for_fsdp``'s read of its
+    weight's fp32 shard (:data:`FP8_AMAX`) where that weight is gathered in float8; its one
+    all-reduce of the amaxes (a float a weight) is left out."""
+    w = _operand(plan.program, plan.program.ops[i], ("param", "master_param"), "parameter")
+    if w is None or w not in fp8_gathered(plan):
+        return c
+    return replace(c, bytes=c.bytes + FP8_AMAX * _shard(plan, w))
+
+
+def _fp8(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     """``c`` run in fp8 where op ``i`` is a linear layer's GEMM (:func:`fp8_layers`), with
     Transformer Engine's casts (bf16 read, an fp8 copy and its transpose written: 4 bytes per
     element, amax in the same kernel): the forward casts its weight, and its input unless a fused
     producer wrote it in fp8 or another GEMM cast it; the backward casts the output gradient (the
-    inputs' fp8 copies are the forward's)."""
+    inputs' fp8 copies are the forward's). A weight FSDP2 gathers in float8 (:func:`fp8_gathered`)
+    is not cast in the GEMM: its shard is, before each gather (forward, and the backward's
+    re-gather: :data:`FP8_PRE_GATHER` a shard element)."""
+    prog = plan.program
     op = prog.ops[i]
     if _canonical(op.rule) not in FP8_GEMMS or not c.gemms:
         return c
@@ -250,13 +291,15 @@ def _fp8(prog: Program, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     if w is None or w not in layers.weights:
         return c
     b, m, n, k = gemm_dims(lop)
+    pre = FP8_PRE_GATHER * _shard(plan, w) if w in fp8_gathered(plan) else None
     if op.rule.endswith("_grad"):
-        elems = b * m * n
+        cast = 4.0 * b * m * n + (pre or 0.0)
     else:  # the weight as this device holds it (an expert stack: its local experts, not the GEMM's batch)
         weight = lop.one("y") or lop.one("weight")
         assert weight is not None  # gemm_dims read it
-        elems = math.prod(weight[0]) + (b * m * k if i in layers.casts_input else 0)
-    return replace(c, fp8=True, cast_bytes=4.0 * elems)
+        x = 4.0 * b * m * k if i in layers.casts_input else 0.0
+        cast = x + (pre if pre is not None else 4.0 * math.prod(weight[0]))
+    return replace(c, fp8=True, cast_bytes=cast)
 
 
 #: bytes of an fp32 main gradient element that a fused weight-gradient GEMM reads and writes
@@ -334,7 +377,8 @@ def op_cost(plan: Plan, i: int) -> OpCost:
     (:func:`spmdkit.cost.moe.expert_op_cost`); a cp attention op as its busiest rank runs it (a
     ring's steps, the causal imbalance without zig-zag: :func:`spmdkit.cost.context.cp_op_cost`); a
     softmax cross-entropy over the logits as the framework runs it (:func:`spmdkit.cost.loss.loss_cost`), or
-    flash-attn's fused kernel under ``--cross-entropy-kernel`` (:func:`spmdkit.cost.loss.flash_ce_cost`); an Adam
+    flash-attn's fused kernel or torchtitan's compiled loss under ``--cross-entropy-kernel``
+    (:func:`spmdkit.cost.loss.flash_ce_cost`); an Adam
     update as Megatron's optimizer step runs it (:func:`spmdkit.cost.optimizer_step.megatron_update_cost`)."""
     opp = plan.ops[i]
     lop = local_op(plan.program, i, opp.required, opp.outputs, plan.attrs)
@@ -347,14 +391,17 @@ def op_cost(plan: Plan, i: int) -> OpCost:
     if c.attention is not None and rt.attention_kernel is not None:  # the kernel the run's model code calls
         c = replace(c, attention_kernel=rt.attention_kernel)
     if rt.fp8 and c.matmul:
-        c = _fp8(plan.program, i, lop, c)
+        c = _fp8(plan, i, lop, c)
     c = fused_wgrad(plan, i, lop, c)
     if rt.framework == "megatron" and opp.op.phase == "optimizer":  # its optimizer step's passes
         c = megatron_update_cost(plan, i, lop, c)
-    if rt.ce_kernel is not None and _canonical(opp.op.rule) in LOSS_FORWARD | LOSS_BACKWARD:
-        return flash_ce_cost(_canonical(opp.op.rule), lop, c, rt.ce_kernel)  # flash-attn's loss: not the eager one
+    if _canonical(opp.op.rule) in LOSS_FORWARD | LOSS_BACKWARD and fused_loss(plan, i):
+        # flash-attn's loss or torchtitan's compiled one: not the eager one
+        return flash_ce_cost(_canonical(opp.op.rule), lop, c, str(rt.ce_kernel))
     if rt.framework == "torchtitan":  # its model code's eager ops (and, under --compile, the loss and repeat_kv)
         c = eager_cost(lop, c, rt.eager)
+    if rt.fsdp_float8_all_gather and opp.op.phase == "optimizer":  # after the foreach passes it adds to
+        c = fp8_amax_cost(plan, i, c)
     return loss_cost(_canonical(opp.op.rule), lop, c, rt.framework, rt.ce_fusion)
 
 
@@ -522,6 +569,6 @@ def guess_tokens(program: Program) -> int | None:
     return None
 
 
-__all__ = ["COSTED", "FP8_FUSED_PRODUCERS", "FP8_GEMMS", "Fp8Layers", "KernelCollective", "cost_of", "fp8_layers",
+__all__ = ["COSTED", "FP8_AMAX", "FP8_FUSED_PRODUCERS", "FP8_GEMMS", "FP8_PRE_GATHER", "Fp8Layers", "KernelCollective", "cost_of", "fp8_amax_cost", "fp8_gathered", "fp8_layers",
            "fp8_weights", "fused_wgrad", "guess_tokens", "kernel_collectives", "local_op", "local_shape",
            "model_flops", "op_cost", "op_kernel_collectives"]

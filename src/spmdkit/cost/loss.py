@@ -37,6 +37,36 @@ without an upcast, the per-token losses and log-sum-exp in fp32:
 
 Per token both read the int64 label and write (forward) or read (backward) the fp32 loss and
 log-sum-exp: 16 bytes a token each way (:data:`FLASH_CE_TOKEN`).
+
+torchtitan's compiled loss (``--cross-entropy-kernel compiled``): from bbb1b616e (2025-04-02)
+``build_cross_entropy_loss`` (``torchtitan/components/loss.py``, the same at 820504e and e7c0cae)
+returns ``torch.compile(cross_entropy_loss)`` when ``training.compile`` is set (at 9dec370, 2024-12,
+and 0da8901b1, 2025-03, the line is commented out: the eager loss). AOTAutograd traces
+``cross_entropy(pred.flatten(0, 1).float(), labels)`` as one joint graph (``convert_element_type``,
+``_log_softmax`` decomposed into ``amax``, ``sub``, ``exp``, ``sum``, ``log``, ``sub``; ``nll_loss``;
+the backward ``_log_softmax_backward_data``: ``grad - exp(out) * sum(grad)``, and the nll gradient as
+``full`` + ``scatter``) and the min-cut partitioner (``torch/_functorch/partitioners.py``,
+``min_cut_rematerialization_partition`` / ``solve_min_cut``) picks what the forward saves: a primal
+is saved at its own size (``get_node_weight``: ``_size_of``, a placeholder is materialized), a
+fusible pointwise node (the upcast, ``sub``, ``exp``) is recomputable and weighs twice its size if
+not materialized, and a reduction whose output is 4x smaller than its input is banned from
+recomputation (``ban_if_reduction``: ``amax``, ``sum``). The cheapest cut between the forward and
+the backward's need of the log-softmax is the bf16 logits (2 bytes an element) and the per-row
+``amax`` and log-sum-exp, not the fp32 log-softmax (4 bytes, 8 as non-materialized). Inductor
+then runs, over the local bf16 logits:
+
+- forward: one looped reduction kernel a row, a loop for ``amax`` and one for the sum of
+  exponentials, each reading the bf16 row (2 + 2), the label's log-probability gathered: no
+  fp32 copy and no log-softmax written;
+- backward: the nll gradient's ``full`` + ``scatter`` rewritten to a pointwise ``where`` over the
+  column index (``torch/_inductor/fx_passes/joint_graph.py``, ``scatter_upon_const_tensor``), its
+  row sum computed in-kernel, ``exp(x - amax - lse)`` recomputed from the saved bf16 logits and
+  the gradient written in bf16 (the cast to the logits' dtype fused): read 2, write 2.
+
+That is flash-attn's xentropy kernel's traffic (4 and 4 an element, :data:`FLASH_CE_TOKEN` a
+token) and memory (:data:`FLASH_CE_BYTES`). Under loss parallelism (vocab-sharded logits, tp > 1)
+the loss runs DTensor's op-by-op ``loss_parallel`` handlers: there the compiled loss is not
+modelled and the eager one is kept (:func:`vocab_sharded`).
 Only the ``megatron`` framework's own loss and flash-attn's are modelled here (torchtitan's eager loss:
 :mod:`spmdkit.cost.eager`; AutoModel's on bf16 logits keeps the op families' cost).
 """
@@ -44,9 +74,15 @@ Only the ``megatron`` framework's own loss and flash-attn's are modelled here (t
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
+from spmdkit.core.dist_attr import entry_dims
 from spmdkit.engine.facts import LocalOp, OpCost
 from spmdkit.ops._cost import numel
+from spmdkit.program.ir import flat_refs
+
+if TYPE_CHECKING:
+    from spmdkit.program.plan import Plan
 
 #: the softmax cross-entropy rules, forward -> its grad
 LOSS_FORWARD = frozenset({"cross_entropy_with_softmax", "c_softmax_with_cross_entropy", "softmax_with_cross_entropy"})
@@ -57,7 +93,9 @@ LOSS_BACKWARD = frozenset({"cross_entropy_with_softmax_grad", "c_softmax_with_cr
 MEGATRON_CE = {False: ((38.0, 14.0), (6, 3)), True: ((26.0, 10.0), (4, 1))}
 #: bytes per 16-bit logit element (forward, backward) of flash-attn's fused cross-entropy kernels,
 #: one kernel each way (module docstring)
-FLASH_CE = {"flash-attn-xentropy": (4.0, 4.0), "flash-attn-triton": (2.0, 4.0)}
+FLASH_CE = {"flash-attn-xentropy": (4.0, 4.0), "flash-attn-triton": (2.0, 4.0), "compiled": (4.0, 4.0)}
+#: ``--cross-entropy-kernel compiled``: torchtitan's ``torch.compile(cross_entropy_loss)`` (module docstring)
+COMPILED = "compiled"
 #: bytes per token of those kernels, each way: the int64 label, the fp32 loss and log-sum-exp
 FLASH_CE_TOKEN = 16.0
 #: bytes per logit element flash-attn's loss holds beyond the program's 16-bit softmax, as
@@ -76,6 +114,25 @@ def _logits(lop: LocalOp, backward: bool) -> tuple[int, int] | None:
             shape, itemsize, _dtype = args[0]
             return numel(shape), itemsize
     return None
+
+
+def vocab_sharded(plan: Plan, i: int) -> bool:
+    """Whether the logits of the loss op ``i`` (a softmax cross-entropy: its softmax output; its grad:
+    the softmax it reads) are sharded over the vocabulary (torchtitan's ``loss_parallel``)."""
+    op = plan.program.ops[i]
+    names = flat_refs(op.inputs["softmax"]) if "softmax" in op.inputs else op.output_names()[:1]
+    name = next((n for n in names if n is not None), None)
+    if name is None:
+        return False
+    attr = plan.attrs[name]
+    return bool(attr.dims_mapping and entry_dims(attr.dims_mapping[-1]))
+
+
+def fused_loss(plan: Plan, i: int) -> bool:
+    """Whether ``--cross-entropy-kernel`` prices the loss op ``i``: flash-attn's kernels always, the
+    compiled loss where its logits are not vocab-sharded (module docstring)."""
+    kernel = plan.runtime.ce_kernel
+    return kernel is not None and not (kernel == COMPILED and vocab_sharded(plan, i))
 
 
 def flash_ce_cost(rule: str, lop: LocalOp, c: OpCost, kernel: str) -> OpCost:
@@ -112,5 +169,5 @@ def loss_cost(rule: str, lop: LocalOp, c: OpCost, framework: str, fused: bool) -
     return replace(c, bytes=max(c.bytes, per * elems), kernels=max(c.kernels, kb if backward else kf))
 
 
-__all__ = ["FLASH_CE", "FLASH_CE_BYTES", "FLASH_CE_TOKEN", "LOSS_BACKWARD", "LOSS_FORWARD", "MEGATRON_CE", "flash_ce_cost",
-           "loss_cost"]
+__all__ = ["COMPILED", "FLASH_CE", "FLASH_CE_BYTES", "FLASH_CE_TOKEN", "LOSS_BACKWARD", "LOSS_FORWARD", "MEGATRON_CE", "flash_ce_cost",
+           "fused_loss", "loss_cost", "vocab_sharded"]

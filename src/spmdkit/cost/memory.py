@@ -76,14 +76,22 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
-from spmdkit.cost.checkpoints import NO_LAYER_COUNT, layer_outputs_kept
+from spmdkit.cost.checkpoints import (
+    MICROBATCH,
+    RECOMPUTE,
+    check_recompute,
+    layer_outputs_kept,
+    per_microbatch_mode,
+    recompute_layers,
+)
+from spmdkit.cost.compute import fp8_gathered
 from spmdkit.cost.context import regathers, ring_buffers
 from spmdkit.cost.context_torch import torch_cp_ops
-from spmdkit.cost.loss import FLASH_CE_BYTES
+from spmdkit.cost.loss import FLASH_CE_BYTES, fused_loss
 from spmdkit.cost.memory_cp import allgather_buffers, shared_gathers
 from spmdkit.cost.memory_fsdp2 import copy_in_pool, makes_no_copy
 from spmdkit.cost.moe import combine_rows_unkept, plan_loads
-from spmdkit.cost.recompute_modules import MODULES, module_regions, op_sac, recompute_modules
+from spmdkit.cost.recompute_modules import module_regions, op_sac, recompute_modules
 from spmdkit.cost.shards import local_numel
 from spmdkit.program.ir import Op, Program, flat_refs
 from spmdkit.program.plan import Plan
@@ -131,8 +139,6 @@ def uneven_shards(plan: Plan) -> list[UnevenShard]:
                 out.append(UnevenShard(name, axis, size, k, dims))
     return out
 
-
-RECOMPUTE = ("none", "selective", "full")
 
 #: grad rule -> tensor parameters it reads for their shape (or dtype) only, not their values
 SHAPE_ONLY: dict[str, frozenset[str]] = {
@@ -203,53 +209,6 @@ def _value_spans(prog: Program) -> tuple[dict[str, int], dict[str, int], dict[st
                 if op.phase == "forward":
                     fwd_last[n] = i
     return first, last, fwd_last
-
-
-#: microbatch-level recomputation (Korthikanti et al. 2022, App. C), a pipeline's mode: each
-#: pipeline rank keeps every activation of as many of its in-flight microbatches as its memory
-#: allows and recomputes the attention core (``selective``) of the others
-MICROBATCH = "microbatch"
-
-
-def recompute_layers(mode: str) -> int | None:
-    """K of ``full:K`` (full recomputation of the first K layers of each pipeline stage, of the
-    model without a pipeline, as Megatron-LM's ``--recompute-granularity full --recompute-method
-    block --recompute-num-layers K``), None for the other modes."""
-    if isinstance(mode, str) and mode.startswith("full:"):
-        k = mode[5:]
-        if not (k.isascii() and k.isdigit() and 1 <= len(k) <= 6 and int(k) >= 1):
-            raise ProgramError(f"--recompute {mode[:40]!r}: expected full:K with K >= 1 layers per stage")
-        return int(k)
-    return None
-
-
-def check_recompute(mode: str, pipeline: bool = False, framework: str | None = None) -> str:
-    """``mode`` if it is one of :data:`RECOMPUTE`, ``full:K`` (:func:`recompute_layers`; K is
-    checked against the layers by :func:`recompute_regions`; refused under a ``framework`` of
-    :data:`NO_LAYER_COUNT`) or, for a pipeline, :data:`MICROBATCH`, else a ProgramError naming
-    ``--recompute``."""
-    if recompute_layers(mode) is not None:
-        if framework in NO_LAYER_COUNT:
-            raise ProgramError(f"--recompute {mode} with --framework {framework}: {framework}'s activation "
-                               f"checkpointing has no setting that recomputes the first K layers (Megatron-LM's "
-                               f"--recompute-method block); give full, selective or none, or --framework megatron")
-        return mode
-    if pipeline and mode == MICROBATCH:
-        return mode
-    if mode == MICROBATCH:
-        raise ProgramError(f"--recompute {MICROBATCH}: microbatch-level recomputation applies to a pipeline "
-                           f"(give --mesh with a pp dim)")
-    if mode not in RECOMPUTE and recompute_modules(mode) is None:
-        shown = repr(mode[:40]) if isinstance(mode, str) else type(mode).__name__
-        raise ProgramError(f"--recompute {shown}: expected one of {', '.join((*RECOMPUTE, MICROBATCH))} or "
-                           f"selective:M1,M2 (modules {', '.join(MODULES)})")
-    return mode
-
-
-def per_microbatch_mode(mode: str) -> str:
-    """The recomputation of one microbatch's plan: ``selective`` for :data:`MICROBATCH` (its
-    recomputed microbatches'), ``full`` for ``full:K`` (its recomputed layers'), else ``mode``."""
-    return "selective" if mode == MICROBATCH else ("full" if recompute_layers(mode) is not None else mode)
 
 
 def _layer_key(layer: str) -> tuple[int, ...] | None:
@@ -798,11 +757,12 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
 
     sizes: dict[str, int] = {}
     load = plan_loads(plan)  # MoE: the busiest ep rank's tokens (spmdkit.cost.moe)
+    f8 = fp8_gathered(plan)  # --fsdp-float8-all-gather: their gathered copies 1 byte an element
 
     def nbytes(name: str, attr: TensorDistAttr | None = None) -> int:
         t = prog.tensors[name]
         if attr is not None:
-            return round(local_numel(attr, t.shape) * t.itemsize * load.get(name, 1.0))
+            return round(local_numel(attr, t.shape) * (1 if name in f8 else t.itemsize) * load.get(name, 1.0))
         b = sizes.get(name)
         if b is None:
             b = sizes[name] = round(local_numel(attrs[name], t.shape) * t.itemsize * load.get(name, 1.0))
@@ -925,7 +885,7 @@ def loss_bytes(plan: Plan, i: int) -> tuple[int, int, int]:
     (:data:`LOSS_BYTES`, :data:`LOSS_PARALLEL_BYTES` where its logits are vocab-sharded;
     :data:`spmdkit.cost.loss.FLASH_CE_BYTES` under ``--cross-entropy-kernel``)."""
     fw = plan.runtime.framework
-    if plan.runtime.ce_kernel is not None:  # flash-attn's kernel: the 16-bit logits saved, no fp32 copy
+    if fused_loss(plan, i):  # flash-attn's kernel, the compiled loss: the 16-bit logits saved, no fp32 copy
         return FLASH_CE_BYTES
     if fw in LOSS_PARALLEL_BYTES:
         attr = plan.attrs[plan.program.ops[i].output_names()[0]]

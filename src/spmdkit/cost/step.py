@@ -30,7 +30,7 @@ from spmdkit.cost.buckets import (
     Reducer,
 )
 from spmdkit.cost.collectives import buffer_bytes, time_of
-from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
+from spmdkit.cost.compute import KernelCollective, fp8_gathered, kernel_collectives, local_shape, model_flops, op_cost
 from spmdkit.cost.context import RingCost, causal_imbalance, cp_ops, regathers, ring_costs
 from spmdkit.cost.context_shared import shared_gather_costs
 from spmdkit.cost.context_torch import TorchCpCost, torch_cp_costs, torch_cp_ops
@@ -480,6 +480,7 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
     under = {c.index: set(c.dims) for c in torch_cps}  # torch's context_parallel gathers K / V itself
     experts = expert_tensors(prog)
     again = regathers(plan)  # allgather attention's K / V gathered again for its grad
+    f8 = fp8_gathered(plan)  # --fsdp-float8-all-gather: these weights gathered at 1 byte an element
     readers: dict[str, list[int]] = {}
     if overlap_tp:
         for j, op in enumerate(prog.ops):
@@ -514,7 +515,7 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
             if s.kind == "all_gather" and r.tensor in plan.storage and not r.output and t.kind == "parameter":
                 per = gathers.setdefault(groups[i], {})
                 key = (r.tensor, s.mesh_dims)
-                per[key] = per.get(key, 0.0) + buffer_bytes(s.kind, s.bytes_per_rank, n)
+                per[key] = per.get(key, 0.0) + buffer_bytes(s.kind, s.bytes_per_rank, n) / (t.itemsize if r.tensor in f8 else 1)
                 first = out.prefetch.get(groups[i], (0.0, i))[1]
                 out.prefetch[groups[i]] = (0.0, min(first, i))
                 continue

@@ -37,8 +37,17 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   ``flash-attn-triton`` (from v2.2.3: the Triton kernel). One kernel over the 16-bit logits
   each way, no fp32 copy; the logits saved for the backward (:mod:`spmdkit.cost.loss`). Under
   ``--framework torchtitan`` only (FSDP with eager model code, how llm-foundry's Composer runs
-  are planned); Megatron and AutoModel run their own losses and are refused. None: the
-  framework's loss.
+  are planned); Megatron and AutoModel run their own losses and are refused. ``compiled``:
+  torchtitan's own loss compiled by Inductor (``torch.compile(cross_entropy_loss)`` under
+  ``training.compile``, torchtitan from bbb1b616e, 2025-04): the bf16 logits saved, no fp32 copy,
+  one kernel each way; with ``--compile`` only. None: the framework's loss.
+- ``fsdp_float8_all_gather``: torchao's float8 all-gather under FSDP2
+  (``--fsdp-float8-all-gather``; torchtitan's ``--float8.enable_fsdp_float8_all_gather`` with
+  ``--float8.precompute_float8_dynamic_scale_for_fsdp``): each fp8 linear's sharded weight is cast to
+  float8 before FSDP2 gathers it (1 byte an element gathered and held unsharded, no cast of the
+  gathered weight in the GEMM), its scale precomputed after each optimizer step
+  (:func:`spmdkit.cost.compute.fp8_gathered`). With ``--precision fp8`` and ``--framework
+  torchtitan`` only, on a plan that stores its parameters sharded (ZeRO-3).
 - ``p2p_overlap``: the interleaved pipeline's sends overlap the next unit's compute (Megatron's
   ``overlap_p2p_comm``, on by default since 2023); off (``--no-p2p-overlap``): every send blocks
   its sender, as Megatron-LM's ``batch_isend_irecv`` + ``torch.cuda.synchronize()`` of 2021-2022.
@@ -108,7 +117,7 @@ DISPATCHERS = ("alltoall", "deepep")
 #: ``--moe-routing`` values (module docstring)
 ROUTINGS = ("topk", "balanced")
 #: ``--cross-entropy-kernel``: flash-attn's fused cross-entropy kernels (:mod:`spmdkit.cost.loss`)
-CE_KERNELS = ("flash-attn-xentropy", "flash-attn-triton")
+CE_KERNELS = ("flash-attn-xentropy", "flash-attn-triton", "compiled")
 #: ``--moe-skew NAME``: published per-expert load imbalances, the busiest expert's tokens over the
 #: mean (``1 + MaxVio``, ``1 + (max - mean) / mean``), and where each is from (docs/experts.md,
 #: "Routing skew: the published figures")
@@ -178,6 +187,7 @@ class Runtime:
     moe_routing: str = "topk"
     ce_fusion: bool = False
     ce_kernel: str | None = None
+    fsdp_float8_all_gather: bool = False
     p2p_overlap: bool = True
     pp_scatter_gather: bool = False
     ep_comm_overlap: bool = False
@@ -215,6 +225,10 @@ class Runtime:
             raise ProgramError(f"--pp-scatter-gather: applies to --framework megatron only (Megatron-LM 2021-2022's "
                                f"scatter_gather_tensors_in_pipeline), not --framework {self.framework}")
         self._check_loss()
+        if self.fsdp_float8_all_gather and not (self.fp8 and self.framework == "torchtitan"):
+            raise ProgramError(f"--fsdp-float8-all-gather: torchao's float8 all-gather under FSDP2 needs --precision fp8 "
+                               f"and --framework torchtitan, not --precision {self.precision} --framework "
+                               f"{self.framework}")
         if self.compile is not None and self.framework != "torchtitan":
             raise ProgramError(f"--{'' if self.compile else 'no-'}compile: applies to --framework torchtitan only "
                                f"(--framework {self.framework} runs fused Transformer Engine kernels)")
@@ -235,6 +249,10 @@ class Runtime:
                                f"(it runs its own loss)")
         if self.ce_fusion:
             raise ProgramError("--cross-entropy-kernel and --cross-entropy-fusion: give one, not both")
+        if self.ce_kernel == "compiled" and not self.compile:
+            raise ProgramError("--cross-entropy-kernel compiled: torchtitan compiles its loss under --compile only "
+                               "(build_cross_entropy_loss: torch.compile(loss_fn) if training.compile); give "
+                               "--compile, or leave the option out for the eager loss")
 
     @property
     def eager(self) -> bool:
@@ -276,6 +294,8 @@ class Runtime:
             out["ce_fusion"] = True
         if self.ce_kernel is not None:
             out["ce_kernel"] = self.ce_kernel
+        if self.fsdp_float8_all_gather:
+            out["fsdp_float8_all_gather"] = True
         if not self.p2p_overlap:
             out["p2p_overlap"] = False
         if self.pp_scatter_gather:
