@@ -6,7 +6,11 @@ torch's SDPA build (``fa2``): its forward asymptote is the FlashAttention-3 pape
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,3 +67,30 @@ def test_the_command_line_option(capsys: pytest.CaptureFixture[str]) -> None:
         assert rc == 0
         steps[kernel] = json.loads(capsys.readouterr().out)["step"]["compute_total_s"]
     assert steps["fa2"] > steps["flash-attn"] > steps["cudnn"]
+
+
+def _fidelity() -> Any:
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("fidelity_bench_flash_attn", root / "benchmarks" / "fidelity.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_nemo_2407_runs_are_planned_with_the_kernel_their_launcher_config_ran(tmp_path: Path) -> None:
+    # NeMo-Framework-Launcher 1ab2c781 conf/config.yaml: NVTE_FUSED_ATTN: 0 (flash-attn); GPT-3 175B's
+    # 128-GPU example script turns cuDNN back on, its 512-GPU mlperf yaml is left on cuDNN (inconclusive)
+    fid = _fidelity()
+    rows = {r["id"]: r for r in json.loads(fid.RUNS.read_text()) if r["id"].startswith("nemo2407")}
+    assert len(rows) == 12
+    kernels = {}
+    for rid, row in rows.items():
+        argv = fid.express(row, tmp_path).argv
+        kernels[rid] = argv[argv.index("--attention-kernel") + 1] if "--attention-kernel" in argv else None
+    assert {rid for rid, k in kernels.items() if k is None} == set(fid.NEMO_CUDNN_RUNS) == {
+        "nemo2407_h100_fp8_gpt3_175b_128gpu", "nemo2407_h100_fp8_gpt3_175b_512gpu"}
+    assert sum(k == "flash-attn" for k in kernels.values()) == 10
+    case = fid.express(rows["nemo2407_h100_fp8_llama2_7b_8gpu"], tmp_path)
+    assert any("NVTE_FUSED_ATTN: 0" in a for a in case.assumptions)
