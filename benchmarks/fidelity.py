@@ -309,6 +309,29 @@ def _nemo_states(row: dict[str, Any], assume: list[str]) -> list[str]:
     return out
 
 
+#: NeMo 24.07's runs whose launcher command turns cuDNN attention back on. The launcher's
+#: launcher_scripts/conf/config.yaml at 1ab2c781 (as at tags 24.01-24.07) sets ``env_vars:
+#: NVTE_FUSED_ATTN: 0 # Disable cudnn FA until we've tested it more``, exported into the job
+#: (nemo_launcher/core/stages.py ``get_env_vars``: the top-level ``env_vars``), and Transformer Engine
+#: then runs its FlashAttention backend, Dao's flash-attn (``--attention-kernel flash-attn``). GPT-3
+#: 175B on 128 GPUs is ``examples/training/gpt/h100/175b_fp8_16node.sh``, which adds
+#: ``+env_vars.NVTE_FUSED_ATTN=1`` (95c77b59, "Enable cuDNN FlashAtt only for 175B", by the table's
+#: co-author): cuDNN. On 512 GPUs, ``gpt3/175b_mlperf.yaml`` writes ``env_vars: NVTE_FUSED_ATTN: 1``
+#: inside the training config, which ``get_env_vars`` does not read: inconclusive, left on cuDNN.
+NEMO_CUDNN_RUNS = ("nemo2407_h100_fp8_gpt3_175b_128gpu", "nemo2407_h100_fp8_gpt3_175b_512gpu")
+
+
+def _nemo_kernel(row: dict[str, Any], assume: list[str]) -> list[str]:
+    """``--attention-kernel flash-attn`` for the NeMo 24.07 runs launched with ``NVTE_FUSED_ATTN: 0``
+    (:data:`NEMO_CUDNN_RUNS` are not)."""
+    rid = str(row["id"])
+    if not rid.startswith("nemo2407") or rid in NEMO_CUDNN_RUNS:
+        return []
+    assume.append("attention: Dao's flash-attn through Transformer Engine (NeMo-Framework-Launcher 1ab2c781 "
+                  "conf/config.yaml: env_vars NVTE_FUSED_ATTN: 0, cuDNN attention off)")
+    return ["--attention-kernel", "flash-attn"]
+
+
 def express(row: dict[str, Any], tmp: Path) -> Case:
     """The command line of ``row``, or Unsupported naming the missing feature."""
     m, par = row["model"], row["parallelism"]
@@ -391,7 +414,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     argv = ["plan", "--mesh", ",".join(f"{k}={v}" for k, v in dims if (k not in ("pp", "ep", "cp") or v > 1)),
             "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
             "--recompute", recompute, "--json"]
-    argv += _nemo_states(row, assume) + foundry_argv(row, assume)
+    argv += _nemo_states(row, assume) + _nemo_kernel(row, assume) + foundry_argv(row, assume)
     if par.get("dispatcher"):  # MoE: the dispatcher and the routing the run used (moe-runs.json)
         if par["dispatcher"] not in DISPATCHERS:
             raise Unsupported(f"MoE dispatcher {par['dispatcher']}")

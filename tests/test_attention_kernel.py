@@ -75,7 +75,7 @@ def test_the_option_picks_the_kernel_on_the_device() -> None:
 
 def test_unknown_kernel_names_the_option_and_the_choices() -> None:
     with pytest.raises(ProgramError, match=r"--attention-kernel 'xformers': unknown kernel, expected one of "
-                                           r"fa2, cudnn, triton"):
+                                           r"fa2, flash-attn, cudnn, triton"):
         Runtime(attention_kernel="xformers")
     assert issubclass(ProgramError, SpmdError)
 
@@ -83,7 +83,7 @@ def test_unknown_kernel_names_the_option_and_the_choices() -> None:
 def test_a_kernel_without_rates_on_the_gpu_is_refused() -> None:
     # no source measured the pre-MLIR Triton kernel on an H100
     with pytest.raises(ProgramError, match=r"--attention-kernel triton: no published rates of it on .*H100.*"
-                                           r"kernels with rates there: fa2, cudnn"):
+                                           r"kernels with rates there: fa2, flash-attn, cudnn"):
         H100.attention_rate(_attn(False, 4096, kernel="triton"))
 
 
@@ -102,7 +102,7 @@ def test_the_command_line_option(capsys: pytest.CaptureFixture[str]) -> None:
     fa2, triton = json.loads(out)["step"], json.loads(out2)["step"]
     assert triton["compute_total_s"] > fa2["compute_total_s"]  # the Triton kernel is slower than FlashAttention-2
     rc, _, err = _plan(["--device", "a100-80gb", "--attention-kernel", "xformers"], capsys)
-    assert rc != 0 and "--attention-kernel 'xformers': unknown kernel, expected one of fa2, cudnn, triton" in err
+    assert rc != 0 and "--attention-kernel 'xformers': unknown kernel, expected one of fa2, flash-attn, cudnn, triton" in err
     rc, _, err = _plan(["--device", "h100", "--attention-kernel", "triton"], capsys)
     assert rc != 0 and "--attention-kernel triton: no published rates of it on" in err
 

@@ -308,11 +308,13 @@ def _add_compute_arguments(p: argparse.ArgumentParser) -> None:
                         "NeMo: fp32 main gradients and master weights; default), torchtitan (FSDP2: fp32 "
                         "sharded parameters and gradients, bf16 compute copies) or automodel (NeMo AutoModel: "
                         "FSDP2 over bf16 parameters, bf16 Adam moments, the loss on bf16 logits)")
-    p.add_argument("--attention-kernel", metavar="fa2|cudnn|triton",
+    p.add_argument("--attention-kernel", metavar="fa2|flash-attn|cudnn|triton",
                    help="the flash-attention kernel the run's model code calls, where it is not the framework's "
-                        "(megatron: cudnn on Hopper, fa2 on Ampere; torchtitan: fa2): fa2 (FlashAttention-2), "
-                        "cudnn (Transformer Engine's fused attention) or triton (flash-attention's pre-MLIR Triton "
-                        "kernel, MPT's attn_impl: triton; rates on A100 only)")
+                        "(megatron: cudnn on Hopper, fa2 on Ampere; torchtitan: fa2): fa2 (FlashAttention-2, "
+                        "torch's scaled_dot_product_attention), flash-attn (FlashAttention-2 from Dao's flash-attn "
+                        "package, as Transformer Engine runs it with NVTE_FUSED_ATTN=0), cudnn (Transformer "
+                        "Engine's fused attention) or triton (flash-attention's pre-MLIR Triton kernel, MPT's "
+                        "attn_impl: triton; rates on A100 only)")
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:

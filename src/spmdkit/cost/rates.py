@@ -164,10 +164,15 @@ FA2_A100_FIG4 = {(False, 64): (132, 153, 162, 171, 175, 176), (False, 128): (151
 #: error 2.1%. Its pair asymptote, 0.668 of 312, is above the 0.610 the 0.70 / 0.58 entry gives
 #: (``3.5 / (1/0.70 + 2.5/0.58)``), which is kept (docs/devices.md, "Each kernel's shape from its own figures")
 FA2_A100_SHAPE = (228.0, 20.0, 0.927)
+#: ``flash-attn`` (Dao's package, as Transformer Engine's FlashAttention backend calls it) on A100:
+#: the ``fa2`` entry is already Dao's own kernel (the FlashAttention-2 paper's figures are of the
+#: flash-attn package), so its rates and shape are reused
 A100_RATES = Rates(108, {"bf16": _A100_GEMM, "fp16": _A100_GEMM, "tf32": _A100_GEMM, "fp32": 0.95},
-                   {"fa2": (0.70, 0.58), "triton": TRITON_A100}, {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.86,
+                   {"fa2": (0.70, 0.58), "flash-attn": (0.70, 0.58), "triton": TRITON_A100},
+                   {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.86,
                    gemm_k={"bf16": 16384, "fp16": 16384, "tf32": 16384}, speed_sd=GPU_SPEED_SD,
-                   attention_shape={"triton": TRITON_A100_SHAPE, "fa2": FA2_A100_SHAPE})
+                   attention_shape={"triton": TRITON_A100_SHAPE, "fa2": FA2_A100_SHAPE,
+                                    "flash-attn": FA2_A100_SHAPE})
 A100_40_RATES = Rates(108, A100_RATES.gemm, A100_RATES.attention, A100_RATES.attention_kernel, hbm=0.88,
                       gemm_k=A100_RATES.gemm_k, speed_sd=GPU_SPEED_SD, attention_shape=A100_RATES.attention_shape)
 #: H100 SXM5: 132 SMs (NVIDIA H100 whitepaper). bf16 ceiling 792.1 / 989 (mamf-finder, CUDA 12.1,
@@ -239,7 +244,14 @@ _FA2_H100 = (329.483 / 989.5 / (4608 / (4608 + FA2_H100_SHAPE[0])),
              322 / 989.5 / (16384 / (16384 + FA2_H100_SHAPE[0])))
 _CUDNN_H100 = (595 / 989.5 / (16384 / (16384 + CUDNN_H100_SHAPE[0])),
                516 / 989.5 / (16384 / (16384 + CUDNN_H100_SHAPE[0])))
-_H100_SHAPE = {"fa2": FA2_H100_SHAPE, "cudnn": CUDNN_H100_SHAPE}
+#: - ``flash-attn``, FlashAttention-2 as Dao's ``flash-attn`` package builds it (what Transformer
+#:   Engine's ``FlashAttention`` backend calls: NeMo-Framework-Launcher 24.01-24.07's
+#:   ``NVTE_FUSED_ATTN: 0``): the FlashAttention-3 paper's "FlashAttention-2" bars, non-causal head
+#:   dim 128 at 16k, forward 370, backward 322 (:data:`FA3_H100_FWD`, :data:`FA3_H100_BWD`); the
+#:   ``fa2`` fit's shape (the same kernel's points). torch's SDPA build (``fa2``) forwards at 329.
+_FLASH_ATTN_H100 = (FA3_H100_FWD[("fa2", False, 128)][-1] / 989.5 / (16384 / (16384 + FA2_H100_SHAPE[0])),
+                    FA3_H100_BWD[("fa2", 128)][-1] / 989.5 / (16384 / (16384 + FA2_H100_SHAPE[0])))
+_H100_SHAPE = {"fa2": FA2_H100_SHAPE, "flash-attn": FA2_H100_SHAPE, "cudnn": CUDNN_H100_SHAPE}
 #: GH100 (132 SMs) at two board powers, NVIDIA's datasheets: H100 SXM at 700 W, dense bf16 989.5
 #: TFLOP/s (1,979 with sparsity); H100 NVL at 350-400 W, 835.5 (1,671 with sparsity): the same
 #: SMs at the tensor-core clock NVIDIA rates for 400 W, 0.844 of the SXM's. torchtitan's H100
@@ -248,10 +260,12 @@ _H100_SHAPE = {"fa2": FA2_H100_SHAPE, "cudnn": CUDNN_H100_SHAPE}
 HOPPER_POWER = ((400.0, 835.5 / 989.5), (700.0, 1.0))
 #: the share of mamf-finder's and the attention papers' H100 rates sustained through training
 #: steps (:attr:`Rates.sustained`), calibrated on the published H100 runs (docs/devices.md,
-#: "Sustained rates")
-HOPPER_SUSTAINED = 0.843
+#: "Sustained rates"; 0.843 -> 0.870 with NeMo 24.07's runs on the flash-attn kernel their launcher
+#: config ran, benchmarks/calibrate_sustained.py unchanged)
+HOPPER_SUSTAINED = 0.870
 H100_RATES = Rates(132, {"bf16": _H100_GEMM, "fp16": _H100_GEMM, "tf32": _H100_GEMM, "fp32": 0.95, "fp8": _H100_FP8},
-                   {"fa2": _FA2_H100, "cudnn": _CUDNN_H100}, {"megatron": "cudnn", "torchtitan": "fa2"},
+                   {"fa2": _FA2_H100, "flash-attn": _FLASH_ATTN_H100, "cudnn": _CUDNN_H100},
+                   {"megatron": "cudnn", "torchtitan": "fa2"},
                    hbm=0.90, power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K,
                    sustained=HOPPER_SUSTAINED, speed_sd=GPU_SPEED_SD, attention_shape=_H100_SHAPE)
 #: H200 SXM5: the H100's GPU (132 SMs, the same peaks) with HBM3e at 4.8 TB/s; its larger power

@@ -162,10 +162,11 @@ def reduces_each_microstep(framework: str, zero: int, pipeline: bool) -> bool:
     return framework == "torchtitan" and not pipeline
 
 #: the flash-attention kernels the cost model has rates for (:mod:`spmdkit.cost.rates`): ``fa2``
-#: (FlashAttention-2, torch's scaled_dot_product_attention), ``cudnn`` (Transformer Engine's fused
-#: attention), ``triton`` (flash-attention's pre-MLIR Triton kernel, ``flash_attn_triton.py``, as
-#: MPT's ``attn_impl: triton`` runs it)
-ATTENTION_KERNELS = ("fa2", "cudnn", "triton")
+#: (FlashAttention-2, torch's scaled_dot_product_attention), ``flash-attn`` (FlashAttention-2 as
+#: Dao's own ``flash-attn`` package builds it: what Transformer Engine's FlashAttention backend calls),
+#: ``cudnn`` (Transformer Engine's fused attention), ``triton`` (flash-attention's pre-MLIR Triton
+#: kernel, ``flash_attn_triton.py``, as MPT's ``attn_impl: triton`` runs it)
+ATTENTION_KERNELS = ("fa2", "flash-attn", "cudnn", "triton")
 
 #: a program dtype -> the precision it computes in
 _OF_DTYPE = {"float32": "fp32", "float64": "fp32", "bfloat16": "bf16", "float16": "fp16"}
