@@ -426,7 +426,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     if framework == "torchtitan":  # training.compile: Inductor's fused blocks, or eager PyTorch ops
         argv.append("--compile" if par.get("torch_compile") else "--no-compile")
         argv += loss_flags(row)  # torchtitan from 2025-04 compiles its loss under training.compile
-        argv += fsdp_float8_flags(row)  # torchao's float8 all-gather under FSDP2
+        argv += fsdp_float8_flags(row, assume)  # torchao's float8 all-gather under FSDP2
     overlaps = str(par.get("overlaps") or "")
     if "--tp-comm-overlap" in overlaps or par.get("async_tp") or (nemo is not None and nemo[0] and tp > 1):
         argv.append("--tp-comm-overlap")

@@ -46,10 +46,32 @@ def float8_unsupported(row: dict[str, Any]) -> str | None:
     return None
 
 
-def fsdp_float8_flags(row: dict[str, Any]) -> list[str]:
+#: the published (in-sample) torchtitan 2024-12 rows that ran ``train_configs/llama3_405b.toml`` at
+#: 9dec370 (the rows' companion), whose ``[float8]`` sets ``enable_float8_linear``,
+#: ``enable_fsdp_float8_all_gather`` and ``precompute_float8_dynamic_scale_for_fsdp`` true (the 8B and
+#: 70B tomls have ``enable_float8_linear = false``: their float8 rows' flags are not stated, and
+#: torchtitan's defaults are off); by id prefix
+FSDP_FLOAT8_TOML_ROWS = ("torchtitan_202412_t5_405b", "torchtitan_202412_t6_405b")
+
+
+def fsdp_float8_flags(row: dict[str, Any], assume: list[str] | None = None) -> list[str]:
     """``--fsdp-float8-all-gather`` for a row that ran torchao's float8 all-gather under FSDP2
     (``parallelism.fsdp_float8_all_gather``: ``--float8.enable_fsdp_float8_all_gather`` with
-    ``--float8.precompute_float8_dynamic_scale_for_fsdp`` on its command line); else none."""
+    ``--float8.precompute_float8_dynamic_scale_for_fsdp`` on its command line; or the 405B toml of
+    :data:`FSDP_FLOAT8_TOML_ROWS`, noted in ``assume``); else none. A toml row whose FSDP degree
+    (``dp_shard``) is 1 gets none: torchtitan's ``Float8Handler`` (``torchtitan/float8.py`` at
+    9dec370) sets ``enable_fsdp_float8_all_gather = parallel_dims.dp_shard_enabled and ...``, so
+    Table 6's "FSDP 1, CP 8" row gathered its weights in bf16 over cp."""
+    if row["id"].startswith(FSDP_FLOAT8_TOML_ROWS) and "float8" in str(row.get("precision") or "").lower():
+        if int(row["parallelism"].get("dp") or 1) <= 1:
+            if assume is not None:
+                assume.append("FSDP2 gathers in bf16: the toml's enable_fsdp_float8_all_gather is off where dp_shard = 1 "
+                              "(torchtitan/float8.py at 9dec370: parallel_dims.dp_shard_enabled and ...)")
+            return []
+        if assume is not None:
+            assume.append("FSDP2 float8 all-gather with precomputed scales (not stated; llama3_405b.toml at 9dec370: "
+                          "enable_fsdp_float8_all_gather = true, precompute_float8_dynamic_scale_for_fsdp = true)")
+        return ["--fsdp-float8-all-gather"]
     if row["parallelism"].get("fsdp_float8_all_gather"):
         if not row["parallelism"].get("precompute_float8_dynamic_scale"):
             raise ValueError(f"{row['id']}: the float8 all-gather without precompute_float8_dynamic_scale_for_fsdp "

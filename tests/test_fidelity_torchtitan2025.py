@@ -163,6 +163,29 @@ def test_the_compiled_loss_goes_to_the_rows_whose_torchtitan_compiles_it() -> No
         assert _opt(FID.express(row, Path(d)).argv, "--cross-entropy-kernel") == "compiled"
 
 
+def test_the_in_sample_405b_rows_gather_in_float8_as_their_toml_says() -> None:
+    # train_configs/llama3_405b.toml at 9dec370: enable_fsdp_float8_all_gather = true,
+    # precompute_float8_dynamic_scale_for_fsdp = true; the 8B / 70B tomls: enable_float8_linear = false
+    published = json.loads((ROOT / "benchmarks" / "data" / "published-runs.json").read_text())
+    if isinstance(published, dict):
+        published = published["runs"]
+    # except Table 6's "FSDP 1, CP 8" row: torchtitan/float8.py at 9dec370 turns the option on only where
+    # parallel_dims.dp_shard_enabled (dp_shard > 1)
+    flagged = []
+    for row in published:
+        assume: list[str] = []
+        if FT.fsdp_float8_flags(row, assume):
+            flagged.append(row["id"])
+            assert "llama3_405b.toml at 9dec370" in assume[0]
+    assert sorted(flagged) == ["torchtitan_202412_t5_405b_512gpu_12", "torchtitan_202412_t5_405b_512gpu_13",
+                               "torchtitan_202412_t6_405b_512gpu_14", "torchtitan_202412_t6_405b_512gpu_15",
+                               "torchtitan_202412_t6_405b_512gpu_16"]
+    row17 = next(r for r in published if r["id"] == "torchtitan_202412_t6_405b_512gpu_17")
+    assume = []
+    assert row17["parallelism"]["dp"] == 1 and FT.fsdp_float8_flags(row17, assume) == []
+    assert "off where dp_shard = 1" in assume[0]
+
+
 def test_async_tp_is_predicted_faster_than_vanilla_tp() -> None:
     # the 70B bf16 pair: measured 597.3 -> 652.4 tokens/s a GPU (1.09x); the prediction orders them too
     rows = [ROWMAP["torchtitan_202506_asynctp_70b_256gpu_bf16_vanillatp"],

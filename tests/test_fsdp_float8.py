@@ -118,6 +118,21 @@ def test_the_option_is_refused_where_it_does_not_apply() -> None:
     assert "--fsdp-float8-all-gather" in err.getvalue()
 
 
+def test_the_option_is_refused_where_fsdp_shards_over_cp_alone() -> None:
+    # torchtitan/float8.py at 9dec370 (Float8Handler): enable_fsdp_float8_all_gather =
+    # parallel_dims.dp_shard_enabled and float8_config.enable_fsdp_float8_all_gather, so a mesh whose
+    # dp_shard is 1 (FSDP over the cp ranks alone) gathers in bf16 whatever the toml says
+    argv = ["plan", "--model", "llama-7b", "--layers", "1", "--strategy", "dp,cp,zero3", "--precision", "fp8",
+            "--framework", "torchtitan", "--fsdp-float8-all-gather", "--json"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main([*argv[:5], "--mesh", "dp=1,cp=2", *argv[5:]]) != 0
+    assert "ProgramError: --fsdp-float8-all-gather: the mesh has dp = 1; torchtitan gathers in float8 only where " \
+        "FSDP's dp_shard degree is over 1" in err.getvalue()
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        assert main([*argv[:5], "--mesh", "dp=2,cp=2", *argv[5:]]) == 0
+
+
 def test_a_pipeline_stage_holds_its_gathered_fp8_weights_at_one_byte() -> None:
     # torchtitan under a pipeline keeps each stage's parameters gathered all step (apply_fsdp:
     # reshard_after_forward=False when pp is enabled): llama-7b's 4 layers on pp = 2 x dp = 64, 2 blocks a

@@ -101,7 +101,8 @@ def test_torchtitan_pipeline_rank_memory_from_its_stages() -> None:
     # its 4 outputs kept in output_chunks
     r0 = est.memory[0]
     assert r0.parameters == s0.parameters + s0.unsharded_parameters
-    assert r0.gradients == s0.unsharded_gradients
+    # and the last block's reduce-scatter input of the previous step (torch 1963fc8, before #144535)
+    assert r0.gradients == s0.unsharded_gradients + s0.rs_held
     assert r0.activation_peak == s0.working_peak + s0.stash_bytes + 4 * s0.send_bytes + 4 * s0.send_bytes
     assert est.in_flight[0] == 2
     # rank 1 (the last stage, 1 warm-up forward): its inputs live in its 4 receive buffers (out of its
@@ -202,3 +203,37 @@ def test_compiled_grad_shares_the_recomputed_forward_gather(monkeypatch: pytest.
             want[j] += size
         want[i] -= 4 * kv
     assert [x - y for x, y in zip(with_shared, base)] == want
+
+
+def test_the_last_reduce_scatter_input_is_held_at_every_unit() -> None:
+    # torch 1963fc8's run_post_backward (stage.py) calls each group's post_backward but not
+    # _root_post_backward_final_callback (pytorch/pytorch#144535, 2025-01, added it), and only that
+    # callback frees the last group's reduce-scatter input (FSDPCommContext.reduce_scatter_state):
+    # it is held from the stage's last backward to the next step's, so at every unit of the walk
+    # F0 F1 B0 B1 of the first-stage example above (486 at B0) with 7 bytes held: 493, 7 of them
+    # gradients already at F0; two chunks hold one each (each model chunk is a root)
+    order = torch_order("1f1b", 2, 1, 2, 0)
+    peak = torch_rank_memory([_chunk(rs_held=7)], order, 2)
+    assert peak.unit == ("B", 0, 0) and peak.gradients == 80 + 7
+    assert peak.parameters + peak.gradients + peak.optimizer_states + peak.activations == 493
+    first = torch_rank_memory([_chunk(rs_held=7)], order[:1], 2)
+    assert first.gradients == 7
+    two = torch_rank_memory([_chunk(rs_held=7), _chunk(input_bytes=4, rs_held=9)],
+                            torch_order("interleaved", 2, 2, 4, 0), 4)
+    assert two.gradients == 160 + 7 + 9
+
+
+def test_the_held_reduce_scatter_input_is_the_last_blocks_fp32_gradients() -> None:
+    # tiny-llama (h 16, 4 heads of 4, 2 kv heads, ffn 32): a block's parameters are wq 16x16, wk and wv
+    # 16x8, wo 16x16, w1 w2 w3 16x32 and two norms of 16: 256 + 128 + 128 + 256 + 3 x 512 + 32 = 2336
+    # elements, gathered whole on dp = 2; the reduce-scatter input is their gradients in the fp32
+    # reduce dtype, flat: 4 x 2336 bytes. Stage 0 holds layers 0-1 (the last, layer 1, after the
+    # root group in named_modules() order), stage 1 layers 2-3 with the final norm and the head (root)
+    plan, spec, counts = _tiny_titan("1f1b")
+    est = estimate_pipeline(plan, spec, counts, preset_device("h100"))
+    assert [s.rs_held for s in est.stages] == [4 * 2336, 4 * 2336]
+    assert est.memory[1].gradients >= est.stages[1].unsharded_gradients + 4 * 2336
+    # AutoModel's torch has pytorch/pytorch#144535: nothing held
+    auto = estimate_pipeline(replace(plan, runtime=Runtime(framework="automodel")), spec, counts,
+                             preset_device("h100"))
+    assert [s.rs_held for s in auto.stages] == [0, 0]

@@ -250,12 +250,21 @@ def fp8_gathered(plan: Plan) -> frozenset[str]:
     cast shard and its scale; ``fsdp_post_all_gather`` wraps the gathered bytes as a ``Float8Tensor``
     that ``matmul_with_hp_or_float8_args`` uses as is, forward and backward): the fp8 weights
     (:func:`fp8_weights`) the plan stores sharded, which FSDP2 gathers and holds at 1 byte an
-    element. Empty without the option; a ProgramError where the plan stores no parameter sharded."""
+    element. Empty without the option; a ProgramError where the plan stores no parameter sharded,
+    or where its mesh's dp dimension is 1: torchtitan turns the float8 all-gather on only where
+    FSDP's ``dp_shard`` degree is over 1 (``torchtitan/float8.py`` at 9dec370, ``Float8Handler``:
+    ``parallel_dims.dp_shard_enabled and float8_config.enable_fsdp_float8_all_gather``), not where
+    FSDP shards over cp alone."""
     if not plan.runtime.fsdp_float8_all_gather:
         return frozenset()
     if not plan.storage:
         raise ProgramError("--fsdp-float8-all-gather: the plan stores no parameter sharded; the float8 all-gather is "
                            "FSDP2's: give a ZeRO-3 strategy (zero3 in --strategy)")
+    dp = dict(zip(plan.mesh.dim_names, plan.mesh.shape)).get("dp", 1)
+    if dp <= 1:
+        raise ProgramError(f"--fsdp-float8-all-gather: the mesh has dp = {dp}; torchtitan gathers in float8 only where "
+                           f"FSDP's dp_shard degree is over 1 (Float8Handler: parallel_dims.dp_shard_enabled), not "
+                           f"where FSDP shards over cp alone: drop the option or give dp > 1 in --mesh")
     return fp8_weights(plan.program) & frozenset(plan.storage)
 
 

@@ -77,6 +77,26 @@ def gather_sizes(prog: Program, gathered: Mapping[str, int]) -> list[int]:
     return [b for b in sizes.values() if b]
 
 
+def last_group(prog: Program, per_param: Mapping[str, int]) -> int:
+    """The bytes ``per_param`` gives the parameters of the FSDP2 group that comes last in its
+    root's module order: torchtitan's ``model.layers`` in layer order after the model (chunk)
+    itself, so the highest-numbered block (the root group where no block has a parameter here).
+    ``FSDPState._lazy_init`` lists the root's states in ``named_modules()`` order, and
+    ``torch.distributed.pipelining``'s ``run_post_backward`` calls their groups' ``post_backward``
+    in that order."""
+    groups = param_groups(prog)
+    sizes: dict[str, int] = {}
+    for nm, b in per_param.items():
+        g = groups.get(nm, "")
+        sizes[g] = sizes.get(g, 0) + b
+
+    def number(label: str) -> int:
+        digits = "".join(c if c.isdigit() else " " for c in label).split()
+        return int(digits[-1]) if digits else -1
+
+    return sizes[max(sizes, key=number)] if sizes else 0
+
+
 def pair_peak(sizes: Sequence[int]) -> int:
     """The most two all-gathers in a row hold (``sizes`` in their order): a group's buffer is
     freed at the next group's all-gather (module docstring)."""
@@ -94,4 +114,5 @@ def copy_in_pool(plan: Plan) -> int:
                                          for nm, n in gathered_numels(plan).items()}))
 
 
-__all__ = ["copy_in_pool", "gather_sizes", "gathered_numels", "makes_no_copy", "pair_peak", "param_groups"]
+__all__ = ["copy_in_pool", "gather_sizes", "gathered_numels", "last_group", "makes_no_copy", "pair_peak",
+           "param_groups"]

@@ -26,6 +26,16 @@ unit by unit (:func:`torch_rank_memory`):
   pytorch/pytorch#153383, 2025-05, kept it on the last stage only); every backward's input
   gradient in its receive buffer's ``.grad`` until the next step's ``clear_runtime_states``
   (pytorch/pytorch#164329, 2025-10, released it after the send).
+- **The last reduce-scatter's input** (torch 1963fc8; pytorch/pytorch#144535, 2025-01, changed
+  it): ``run_post_backward`` calls each FSDP group's ``post_backward`` but not the root's
+  ``_root_post_backward_final_callback``. ``FSDPParamGroup.post_backward`` frees the previous
+  group's reduce-scatter input (``comm_ctx.reduce_scatter_state``) when it starts its own and
+  keeps its own there; only that callback, on a last backward, releases the last one. So the
+  stage's last group's reduce-scatter input (``foreach_reduce``: its unsharded gradients in the
+  fp32 reduce dtype, flat, on the default stream; :func:`spmdkit.cost.memory_fsdp2.last_group`)
+  stays allocated from the stage's last backward of one step to its last backward of the next,
+  through every unit of the walk, one per model chunk (each chunk is a root with its own comm
+  context).
 - **FSDP2's side-stream pools** (reserved, not allocated: ``torch.cuda.max_memory_reserved``,
   what torchtitan logs). The caching allocator reuses a freed block only for the stream it was
   allocated on (``CUDACachingAllocator``: a block's free-list key is its stream; under
@@ -76,6 +86,7 @@ class ChunkBytes:
     output_bytes: int   # one microbatch's output (the next stage's input; the logits on the last)
     grad_recv_bytes: int  # one microbatch's output gradients received (0 on the last stage)
     gather_pool: int = 0  # FSDP2's all-gather copy-in pool: two consecutive groups' gathered parameters
+    rs_held: int = 0    # the last group's reduce-scatter input, held from one step's last backward to the next's
 
 
 @dataclass(frozen=True)
@@ -153,6 +164,7 @@ def torch_rank_memory(chunks: Sequence[ChunkBytes], order: Sequence[tuple[str, i
     states = sum(c.states for c in chunks)
     recv = sum(m * (c.input_bytes + c.grad_recv_bytes) for c in chunks)
     copy_in = sum(c.gather_pool for c in chunks)
+    rs_held = sum(c.rs_held for c in chunks)  # held at every unit (module docstring)
     held = 0        # stash units held (microbatches forwarded and not backwarded, over the stages)
     held_bytes = 0  # their stash
     fwd_done, bwd_done = [0] * v, [0] * v
@@ -167,7 +179,7 @@ def torch_rank_memory(chunks: Sequence[ChunkBytes], order: Sequence[tuple[str, i
         buf = recv + sum(fwd_done[i] * chunks[i].output_bytes + bwd_done[i] * chunks[i].input_bytes for i in range(v))
         params = const_p + sum(chunks[i].unsharded_parameters for i in range(v) if gathered[i] and not finished[i])
         grads = sum(chunks[i].unsharded_gradients for i in range(v) if started[i] and not finished[i])
-        grads += sum(chunks[i].gradients for i in range(v) if finished[i])
+        grads += sum(chunks[i].gradients for i in range(v) if finished[i]) + rs_held
         pools = copy_in + sum(chunks[i].gradients for i in range(v) if not finished[i])
         total = params + grads + states + act + buf + pools
         if total > best_total:

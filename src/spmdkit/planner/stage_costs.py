@@ -24,7 +24,7 @@ from spmdkit.cost.memory import (
     rerun_points,
     saved_activations,
 )
-from spmdkit.cost.memory_fsdp2 import gather_sizes, gathered_numels, pair_peak
+from spmdkit.cost.memory_fsdp2 import gather_sizes, gathered_numels, last_group, pair_peak
 from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time, shared_gather_savings
 from spmdkit.planner.chunk_ops import chunk_ops
 from spmdkit.planner.chunk_plan import ChunkOps
@@ -75,6 +75,11 @@ class StageCost:
     #: what FSDP2's all-gather copy-in stream keeps reserved for the stage (its model chunk's root):
     #: two consecutive groups' gathered parameters (:func:`spmdkit.cost.memory_fsdp2.pair_peak`)
     gather_pool: int = 0
+    #: torch 1963fc8's pipelining under FSDP2 (before pytorch/pytorch#144535): the reduce-scatter
+    #: input of the stage's last FSDP group (its unsharded fp32 gradients, flat), which the chunk's
+    #: FSDP comm context keeps from the stage's last backward to the next step's
+    #: (:mod:`spmdkit.planner.pipeline_memory`)
+    rs_held: int = 0
     #: FSDP2's copies of those, once a step on the compute stream: the gathered parameters copied
     #: out before the first microbatch's forward, the fp32 gradients copied into the reduce-scatter
     #: input after the last microbatch's backward (:func:`stage_costs`)
@@ -252,6 +257,7 @@ def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
         out[stages[i]].ops += 1
     param_grads = {nm: stages[i] for nm, i in grads}
     mine: dict[int, dict[str, int]] = {}  # stage -> its gathered parameters' bytes
+    ugrads: dict[int, dict[str, int]] = {}  # stage -> its unsharded gradients' bytes
     for nm, i in updated:
         s = stages[i]
         p, g, st = held.get(nm) or (nbytes(nm), 0, 0)
@@ -262,8 +268,11 @@ def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
         out[s].unsharded_gradients += gathered.get(nm, (0, 0))[1]
         if nm in gathered:
             mine.setdefault(s, {})[nm] = gathered[nm][0]
+            ugrads.setdefault(s, {})[nm] = gathered[nm][1]
     for s, got in mine.items():  # each stage's model chunk is an FSDP2 root with its own streams
         out[s].gather_pool = pair_peak(gather_sizes(prog, got))
+        if plan.runtime.framework == "torchtitan":  # torch 1963fc8's pipelining (AutoModel's torch has #144535)
+            out[s].rs_held = last_group(prog, ugrads[s])
     for nm, i in not_updated:  # a parameter without an update
         out[stages[i]].parameters += nbytes(nm)
     return param_grads
