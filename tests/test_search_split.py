@@ -41,7 +41,7 @@ def test_an_uneven_pipeline_is_priced_as_the_plan_command_plans_it(fold: bool) -
         assert c.step_s == pytest.approx(cli["pipeline"]["step_overlap_s"], rel=1e-9)
         assert c.memory == pytest.approx(cli["memory"]["device_total"], rel=1e-9)
     # without recomputation the command's split is over the cap; full recomputation fits, and so
-    # does full:1 on the same split, the fastest that fits: 0.3276 s (0.3503 s, 0.3442 s before the step ran at its
+    # does full:1 on the same split, the fastest that fits: 0.3276 s at the share 0.864 (earlier 0.3503 s; 0.3442 s before the step ran at its
     # slowest GPU's pace, Device.slowdown; 0.3404 s before Megatron's optimizer
     # passes and fused wgrad accumulation; 0.2792 s before the H100's
     # sustained share; the search before this split the layers 3,4,4,2 under the cap for every mode:
