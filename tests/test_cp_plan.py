@@ -51,9 +51,9 @@ def test_llama3_8b_131k_ring_exposed_reported(done: dict) -> None:
 
 
 @pytest.mark.xfail(strict=True, reason="issues 26 / 29: the H100 cp prediction is optimistic since the sp+cp fix and "
-                   "the rate audit; with the sustained share (0.843, calibrated on the runs without cp), the slowest of 64 "
-                   "GPUs and cuDNN's own causal shape, MFU 53.9% / the cp runs' band p90 1.154 (fidelity.py's band of this "
-                   "code, torch's context_parallel priced as it runs, compiled: its collectives waited where issued) = 0.467, "
+                   "the rate audit; with the sustained share (0.864, calibrated on the runs without cp), the slowest of 64 "
+                   "GPUs and cuDNN's own causal shape, MFU 55.0% / the cp runs' band p90 1.181 (fidelity.py's band of this "
+                   "code, torch's context_parallel priced as it runs, compiled: its collectives waited where issued) = 0.466, "
                    "above Llama 3's 38% (a "
                    "figure whose attention FLOP count Meta does not state: docs/context.md, the out-of-sample 131k row); "
                    "strict: passes (and fails here) once the cp runs' residual is explained")
