@@ -312,7 +312,7 @@ def _nemo_states(row: dict[str, Any], assume: list[str]) -> list[str]:
 #: NeMo 24.07's runs whose launcher command turns cuDNN attention back on. The launcher's
 #: launcher_scripts/conf/config.yaml at 1ab2c781 (as at tags 24.01-24.07) sets ``env_vars:
 #: NVTE_FUSED_ATTN: 0 # Disable cudnn FA until we've tested it more``, exported into the job
-#: (nemo_launcher/core/stages.py ``get_env_vars``: the top-level ``env_vars``), and Transformer Engine
+#: (nemo_launcher.core.stages ``get_env_vars``: the top-level ``env_vars``), and Transformer Engine
 #: then runs its FlashAttention backend, Dao's flash-attn (``--attention-kernel flash-attn``). GPT-3
 #: 175B on 128 GPUs is ``examples/training/gpt/h100/175b_fp8_16node.sh``, which adds
 #: ``+env_vars.NVTE_FUSED_ATTN=1`` (95c77b59, "Enable cuDNN FlashAtt only for 175B", by the table's

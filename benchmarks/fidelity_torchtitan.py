@@ -16,7 +16,7 @@ counted unsupported by that feature (:func:`float8_unsupported`):
   ``torchtitan/components/quantization/float8.py`` at 820504e: ``Float8LinearConfig.from_recipe_name``):
   a scale per row of each operand, ``torch._scaled_mm`` with rowwise scales (another GEMM kernel and
   rate than the tensorwise one the planner prices) and, under TP, the all-gathers in bf16
-  (``parallelize_llama.py`` at 820504e: ``enable_float8_tensorwise_tp = enable_float8_linear and not
+  (``parallelize_llama`` at 820504e: ``enable_float8_tensorwise_tp = enable_float8_linear and not
   float8_is_rowwise``);
 
 FSDP2's float8 all-gather (``--float8.enable_fsdp_float8_all_gather``, torchao
@@ -59,14 +59,14 @@ def fsdp_float8_flags(row: dict[str, Any], assume: list[str] | None = None) -> l
     (``parallelism.fsdp_float8_all_gather``: ``--float8.enable_fsdp_float8_all_gather`` with
     ``--float8.precompute_float8_dynamic_scale_for_fsdp`` on its command line; or the 405B toml of
     :data:`FSDP_FLOAT8_TOML_ROWS`, noted in ``assume``); else none. A toml row whose FSDP degree
-    (``dp_shard``) is 1 gets none: torchtitan's ``Float8Handler`` (``torchtitan/float8.py`` at
+    (``dp_shard``) is 1 gets none: torchtitan's ``Float8Handler`` (``torchtitan.float8`` at
     9dec370) sets ``enable_fsdp_float8_all_gather = parallel_dims.dp_shard_enabled and ...``, so
     Table 6's "FSDP 1, CP 8" row gathered its weights in bf16 over cp."""
     if row["id"].startswith(FSDP_FLOAT8_TOML_ROWS) and "float8" in str(row.get("precision") or "").lower():
         if int(row["parallelism"].get("dp") or 1) <= 1:
             if assume is not None:
                 assume.append("FSDP2 gathers in bf16: the toml's enable_fsdp_float8_all_gather is off where dp_shard = 1 "
-                              "(torchtitan/float8.py at 9dec370: parallel_dims.dp_shard_enabled and ...)")
+                              "(torchtitan.float8 at 9dec370: parallel_dims.dp_shard_enabled and ...)")
             return []
         if assume is not None:
             assume.append("FSDP2 float8 all-gather with precomputed scales (not stated; llama3_405b.toml at 9dec370: "

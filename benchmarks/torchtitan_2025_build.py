@@ -237,7 +237,7 @@ for quant, (name, mem, tps, speed) in AO.items():
                                                                    if quant == "tensorwise" else "'rowwise with bfloat16 all-gather': --float8.recipe_name=rowwise")
     rows.append(row)
 
-LOSS = ("the loss compiled (torchtitan components/loss.py build_cross_entropy_loss at {c}: torch.compile(loss_fn) under "
+LOSS = ("the loss compiled (torchtitan components.loss build_cross_entropy_loss at {c}: torch.compile(loss_fn) under "
         "training.compile): planned as the eager fp32 cross-entropy of 9dec370 (not modelled)")
 for r in rows:
     a = []
@@ -249,7 +249,7 @@ for r in rows:
                  "its all-gather) not modelled: the TP all-gathers in bf16, as the torchtitan_202412 rows")
     if "float8" in r["precision"] and r["recompute"] == "selective":
         a.append("per op SAC under float8 linears planned as under bf16 (every other linear's output saved): torchao's "
-                 "Float8Linear calls torch.mm on Float8Tensors (float8_linear.py at 6243040), which float8_ops.py "
+                 "Float8Linear calls torch.mm on Float8Tensors (float8_linear at 6243040), which float8_ops "
                  "implements as aten.mm by torch._scaled_mm, so the SAC policy (a dispatch mode, _save_list: aten.mm) "
                  "presumably sees aten.mm as under bf16; not checked on a GPU")
     if rid.startswith("torchtitan_202503"):
