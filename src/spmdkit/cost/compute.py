@@ -244,6 +244,10 @@ def fp8_weights(prog: Program) -> frozenset[str]:
 FP8_PRE_GATHER, FP8_AMAX = 5.0, 4.0
 
 
+#: fp8_gathered's answers by the plan's id (the value keeps the plan)
+_GATHERED_FP8: Recent[tuple[Plan, frozenset[str]]] = Recent(16)
+
+
 def fp8_gathered(plan: Plan) -> frozenset[str]:
     """Under ``--fsdp-float8-all-gather`` (torchao ``torchao/float8/fsdp_utils.py``:
     ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` returns the float8 ``_data`` of the
@@ -254,9 +258,19 @@ def fp8_gathered(plan: Plan) -> frozenset[str]:
     or where its mesh's dp dimension is 1: torchtitan turns the float8 all-gather on only where
     FSDP's ``dp_shard`` degree is over 1 (``torchtitan/float8.py`` at 9dec370, ``Float8Handler``:
     ``parallel_dims.dp_shard_enabled and float8_config.enable_fsdp_float8_all_gather``), not where
-    FSDP shards over cp alone."""
+    FSDP shards over cp alone. Memoised per plan (each GEMM and optimizer op asks)."""
     if not plan.runtime.fsdp_float8_all_gather:
         return frozenset()
+    return _GATHERED_FP8.get(id(plan), lambda: (plan, _fp8_gathered(plan)))[1]
+
+
+def gathered_itemsize(plan: Plan, name: str) -> int:
+    """Bytes an element of parameter ``name`` takes gathered (and held gathered) by FSDP2: 1 where
+    it is gathered in float8 (:func:`fp8_gathered`), else its dtype's."""
+    return 1 if name in fp8_gathered(plan) else plan.program.tensors[name].itemsize
+
+
+def _fp8_gathered(plan: Plan) -> frozenset[str]:
     if not plan.storage:
         raise ProgramError("--fsdp-float8-all-gather: the plan stores no parameter sharded; the float8 all-gather is "
                            "FSDP2's: give a ZeRO-3 strategy (zero3 in --strategy)")
@@ -578,6 +592,6 @@ def guess_tokens(program: Program) -> int | None:
     return None
 
 
-__all__ = ["COSTED", "FP8_AMAX", "FP8_FUSED_PRODUCERS", "FP8_GEMMS", "FP8_PRE_GATHER", "Fp8Layers", "KernelCollective", "cost_of", "fp8_amax_cost", "fp8_gathered", "fp8_layers",
+__all__ = ["COSTED", "FP8_AMAX", "FP8_FUSED_PRODUCERS", "FP8_GEMMS", "FP8_PRE_GATHER", "Fp8Layers", "KernelCollective", "cost_of", "fp8_amax_cost", "fp8_gathered", "fp8_layers", "gathered_itemsize",
            "fp8_weights", "fused_wgrad", "guess_tokens", "kernel_collectives", "local_op", "local_shape",
            "model_flops", "op_cost", "op_kernel_collectives"]

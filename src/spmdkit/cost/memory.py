@@ -84,7 +84,7 @@ from spmdkit.cost.checkpoints import (
     per_microbatch_mode,
     recompute_layers,
 )
-from spmdkit.cost.compute import fp8_gathered
+from spmdkit.cost.compute import gathered_itemsize
 from spmdkit.cost.context import regathers, ring_buffers
 from spmdkit.cost.context_torch import torch_cp_ops
 from spmdkit.cost.loss import FLASH_CE_BYTES, fused_loss
@@ -757,12 +757,11 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
 
     sizes: dict[str, int] = {}
     load = plan_loads(plan)  # MoE: the busiest ep rank's tokens (spmdkit.cost.moe)
-    f8 = fp8_gathered(plan)  # --fsdp-float8-all-gather: their gathered copies 1 byte an element
 
     def nbytes(name: str, attr: TensorDistAttr | None = None) -> int:
         t = prog.tensors[name]
-        if attr is not None:
-            return round(local_numel(attr, t.shape) * (1 if name in f8 else t.itemsize) * load.get(name, 1.0))
+        if attr is not None:  # a gathered copy (--fsdp-float8-all-gather: 1 byte an element)
+            return round(local_numel(attr, t.shape) * gathered_itemsize(plan, name) * load.get(name, 1.0))
         b = sizes.get(name)
         if b is None:
             b = sizes[name] = round(local_numel(attrs[name], t.shape) * t.itemsize * load.get(name, 1.0))

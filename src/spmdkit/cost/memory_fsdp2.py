@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from itertools import pairwise
 
-from spmdkit.cost.compute import fp8_gathered
+from spmdkit.cost.compute import gathered_itemsize
 from spmdkit.cost.shards import local_numel
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan, Reshard
@@ -109,9 +109,8 @@ def copy_in_pool(plan: Plan) -> int:
     if not plan.runtime.fsdp2:
         return 0
     prog = plan.program
-    f8 = fp8_gathered(plan)  # gathered in float8 (--fsdp-float8-all-gather): 1 byte an element
-    return pair_peak(gather_sizes(prog, {nm: n * (1 if nm in f8 else prog.tensors[nm].itemsize)
-                                         for nm, n in gathered_numels(plan).items()}))
+    # gathered in float8 (--fsdp-float8-all-gather): 1 byte an element
+    return pair_peak(gather_sizes(prog, {nm: n * gathered_itemsize(plan, nm) for nm, n in gathered_numels(plan).items()}))
 
 
 __all__ = ["copy_in_pool", "gather_sizes", "gathered_numels", "last_group", "makes_no_copy", "pair_peak",

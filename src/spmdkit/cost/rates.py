@@ -164,11 +164,13 @@ FA2_A100_FIG4 = {(False, 64): (132, 153, 162, 171, 175, 176), (False, 128): (151
 #: error 2.1%. Its pair asymptote, 0.668 of 312, is above the 0.610 the 0.70 / 0.58 entry gives
 #: (``3.5 / (1/0.70 + 2.5/0.58)``), which is kept (docs/devices.md, "Each kernel's shape from its own figures")
 FA2_A100_SHAPE = (228.0, 20.0, 0.927)
+#: FlashAttention-2 on A100, forward / backward asymptotes (the FlashAttention-2 paper's figures)
+_FA2_A100 = (0.70, 0.58)
 #: ``flash-attn`` (Dao's package, as Transformer Engine's FlashAttention backend calls it) on A100:
 #: the ``fa2`` entry is already Dao's own kernel (the FlashAttention-2 paper's figures are of the
 #: flash-attn package), so its rates and shape are reused
 A100_RATES = Rates(108, {"bf16": _A100_GEMM, "fp16": _A100_GEMM, "tf32": _A100_GEMM, "fp32": 0.95},
-                   {"fa2": (0.70, 0.58), "flash-attn": (0.70, 0.58), "triton": TRITON_A100},
+                   {"fa2": _FA2_A100, "flash-attn": _FA2_A100, "triton": TRITON_A100},
                    {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.86,
                    gemm_k={"bf16": 16384, "fp16": 16384, "tf32": 16384}, speed_sd=GPU_SPEED_SD,
                    attention_shape={"triton": TRITON_A100_SHAPE, "fa2": FA2_A100_SHAPE,

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from spmdkit.core.reshard import Step
-from spmdkit.cost.compute import fp8_gathered
+from spmdkit.cost.compute import gathered_itemsize
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import (
     ActivationMemory,
@@ -249,9 +249,8 @@ def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
     gathered: dict[str, tuple[int, int]] = {}
     if plan.runtime.fsdp2 and not reduces_each_microstep(plan.runtime.framework, 3, pipeline=True):
         # AutoModel too (reshard_after_forward=not pp_enabled)
-        f8 = fp8_gathered(plan)  # --fsdp-float8-all-gather: held gathered at 1 byte an element
-        gathered = {nm: (n * (1 if nm in f8 else prog.tensors[nm].itemsize), n * 4)
-                    for nm, n in gathered_numels(plan).items()}
+        # --fsdp-float8-all-gather: held gathered at 1 byte an element
+        gathered = {nm: (n * gathered_itemsize(plan, nm), n * 4) for nm, n in gathered_numels(plan).items()}
     grads, updated, not_updated = prog.derived("stage_costs.held", _step_reads)
     for i in range(len(prog.ops)):
         out[stages[i]].ops += 1
