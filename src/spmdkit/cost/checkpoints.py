@@ -22,9 +22,21 @@ sent (``deallocate_output_tensor``) and the next stage's first layer keeps it as
 
 from __future__ import annotations
 
+import re
+
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.recompute_modules import MODULES, recompute_modules
 from spmdkit.program.ir import Program
+
+#: a number in a layer label (``layer 3``, ``model.layers.3``)
+_LAYER_NUMBER = re.compile(r"\d+")
+
+
+def layer_numbers(label: str) -> tuple[int, ...]:
+    """The numbers of a layer label, in order (``layer 3`` -> (3,)); () for a label without one
+    (the embedding, the head: no transformer layer)."""
+    return tuple(int(n) for n in _LAYER_NUMBER.findall(label))
+
 
 #: the recomputation modes besides ``full:K``, ``selective:M1,M2`` and :data:`MICROBATCH`
 RECOMPUTE = ("none", "selective", "full")
@@ -98,5 +110,5 @@ def layer_outputs_kept(prog: Program, regions: list[list[int]], reads: dict[str,
     return out
 
 
-__all__ = ["MICROBATCH", "NO_LAYER_COUNT", "RECOMPUTE", "check_recompute", "layer_outputs_kept", "per_microbatch_mode",
+__all__ = ["MICROBATCH", "NO_LAYER_COUNT", "RECOMPUTE", "check_recompute", "layer_numbers", "layer_outputs_kept", "per_microbatch_mode",
            "recompute_layers"]

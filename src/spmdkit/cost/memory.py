@@ -68,7 +68,6 @@ Recomputation (``recompute``):
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -80,6 +79,7 @@ from spmdkit.cost.checkpoints import (
     MICROBATCH,
     RECOMPUTE,
     check_recompute,
+    layer_numbers,
     layer_outputs_kept,
     per_microbatch_mode,
     recompute_layers,
@@ -151,8 +151,6 @@ SHAPE_ONLY: dict[str, frozenset[str]] = {
     "embedding_grad": frozenset({"weight"}),
 }
 
-_LAYER_NUMBER = re.compile(r"\d+")
-
 
 #: grad rule -> {output index: the input only that gradient reads}: a product's operand is read for
 #: the other operand's gradient alone, so where that gradient is not made (``cos`` of a rotary
@@ -211,12 +209,6 @@ def _value_spans(prog: Program) -> tuple[dict[str, int], dict[str, int], dict[st
     return first, last, fwd_last
 
 
-def _layer_key(layer: str) -> tuple[int, ...] | None:
-    """The numbers of a transformer layer's label (``layer 3`` -> (3,)), None for others."""
-    nums = _LAYER_NUMBER.findall(layer)
-    return tuple(int(n) for n in nums) if nums else None
-
-
 def _is_act(prog: Program, n: str) -> bool:
     return prog.tensors[n].kind == "activation"
 
@@ -227,7 +219,7 @@ def _layer_groups(prog: Program, fwd: list[int], mode: str) -> list[list[int]]:
     groups: dict[str, list[int]] = {}
     for i in fwd:
         layer = prog.ops[i].layer
-        if _layer_key(layer) is not None:
+        if layer_numbers(layer):
             groups.setdefault(layer, []).append(i)
     if not groups:
         labels = sorted({prog.ops[i].layer for i in fwd})

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from itertools import pairwise
 
+from spmdkit.cost.checkpoints import layer_numbers
 from spmdkit.cost.compute import gathered_itemsize
 from spmdkit.cost.shards import local_numel
 from spmdkit.program.ir import Program
@@ -62,7 +63,7 @@ def _param_groups(prog: Program) -> dict[str, str]:
         if op.phase == "forward":
             for nm in op.input_names():
                 if nm not in out and prog.tensors[nm].kind == "parameter":
-                    out[nm] = op.layer if any(c.isdigit() for c in op.layer) else ""
+                    out[nm] = op.layer if layer_numbers(op.layer) else ""
     return out
 
 
@@ -91,8 +92,7 @@ def last_group(prog: Program, per_param: Mapping[str, int]) -> int:
         sizes[g] = sizes.get(g, 0) + b
 
     def number(label: str) -> int:
-        digits = "".join(c if c.isdigit() else " " for c in label).split()
-        return int(digits[-1]) if digits else -1
+        return (layer_numbers(label) or (-1,))[-1]
 
     return sizes[max(sizes, key=number)] if sizes else 0
 
