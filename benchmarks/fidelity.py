@@ -142,6 +142,45 @@ def _device(row: dict[str, Any], tmp: Path) -> tuple[str, float]:
     raise Unsupported(f"GPU {gpu}")
 
 
+#: the cuDNN each run's container ships, where a source says (docs/devices.md, "cuDNN's version"):
+#: (id prefix, version, source). ``--device``'s ``efficiency.cudnn_version`` then picks the newest
+#: measured version not newer (spmdkit.cost.rates.measured_cudnn_version); a run not listed takes
+#: the presets' (cuDNN 9.1-9.3: Megatron-LM 2024, NeMo 24.07 on NGC 24.07's 9.2.1, TE's notebook
+#: on 9.3.0; NeMo 24.03's 9.0.0 is older than any measured one)
+CUDNN_VERSIONS = (
+    ("megatron_moe_zoo_h100_bf16_qwen3_235b_seq", "9.11.0",
+     "yanring/Megatron-MoE-ModelZoo dockers/Dockerfile at c1ad0b5 (the long-context table's b0b92ff, 2025-11-04): "
+     "pytorch:25.06-py3 with cudnn9.11.0.92 copied over its 9.10.2"),
+    ("megatron_moe_zoo_h100_bf16_qwen3_next", "9.11.0",
+     "yanring/Megatron-MoE-ModelZoo dockers/Dockerfile at b0b92ff (2025-11-04, the commit that added the Qwen3-Next "
+     "row): pytorch:25.06-py3 with cudnn9.11.0.92 copied over its 9.10.2"),
+    ("megatron_moe_zoo", "9.7.1",
+     "yanring/Megatron-MoE-ModelZoo dockers/Dockerfile at 8017e11 (the 4k table, 2025-05-27): pytorch:25.02-py3, "
+     "whose release notes give cuDNN 9.7.1"),
+    ("nemo2509", "9.13.1", "NGC pytorch:25.09-py3 (Megatron-Bridge's base image; cudnn-frontend bb37575 README: 9.13.1)"),
+    ("nemo2511", "9.17.0", "NGC pytorch:25.11-py3 (cudnn-frontend d48a60e README: 9.17.0)"),
+    ("nemo26", "9.17.0", "NGC pytorch:26.02-26.06 (Megatron-Bridge docker/Dockerfile.ci BASE_IMAGE): at least 25.11's 9.17.0"),
+)
+
+
+def _cudnn_version(row: dict[str, Any]) -> tuple[str, str] | None:
+    """(version, source) of the cuDNN the run ran, where :data:`CUDNN_VERSIONS` knows it."""
+    rid = str(row["id"])
+    return next(((v, src) for pre, v, src in CUDNN_VERSIONS if rid.startswith(pre)), None)
+
+
+def _h100_cudnn(row: dict[str, Any], tmp: Path, assume: list[str]) -> str:
+    """``h100``, or a device file of it with the run's cuDNN version (:data:`CUDNN_VERSIONS`)."""
+    got = _cudnn_version(row)
+    if got is None:
+        return "h100"
+    version, src = got
+    assume.append(f"cuDNN {version} ({src}): the attention rates of cudnn-frontend's newest measured version not newer")
+    f = tmp / f"h100-cudnn-{version}.json"
+    f.write_text(json.dumps({"base": "h100", "efficiency": {"cudnn_version": version}}))
+    return str(f)
+
+
 def _arch(row: dict[str, Any]) -> dict[str, Any]:
     m = row["model"]
     arch = str(m.get("arch") or "")
@@ -347,6 +386,8 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         raise Unsupported(float8)
     assume: list[str] = [str(x) for x in row.get("assumptions") or []]  # the row's own (outside-runs.json)
     device, mem_gib = _device(row, tmp)
+    if device == "h100":
+        device = _h100_cudnn(row, tmp, assume)
     tp, pp, dp = int(par["tp"]), int(par["pp"]), int(par["dp"])
     ep = int(par.get("ep") or 1) if m.get("moe") else 1
     etp1 = m.get("moe") and par.get("etp") == 1 and tp > 1

@@ -104,6 +104,9 @@ class Rates:
     #: fraction of the median GPU's (:data:`GPU_SPEED_SD`); 0: every GPU runs at the median
     speed_sd: float = 0.0
     attention_shape: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
+    #: the measured cuDNN version (:data:`CUDNN_FE_H200`) whose speed-up over 9.1.0 scales the
+    #: ``cudnn`` kernel's rates (:func:`cudnn_version_scale`); "" : the presets' own (cuDNN 9.1-9.3)
+    cudnn_version: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"sms": self.sms, "gemm": dict(self.gemm), "clock": self.clock, "sustained": self.sustained,
@@ -111,7 +114,8 @@ class Rates:
                 "attention_kernel": dict(self.attention_kernel), "hbm": self.hbm, "launch_us": self.launch_s * 1e6,
                 "k0": self.k0, "s0": self.s0, "d0": self.d0, "power_points": [list(p) for p in self.power_points],
                 "gemm_k": dict(self.gemm_k), "speed_sd": self.speed_sd,
-                "attention_shape": {k: {"s0": a, "d0": b, "causal": c} for k, (a, b, c) in self.attention_shape.items()}}
+                "attention_shape": {k: {"s0": a, "d0": b, "causal": c} for k, (a, b, c) in self.attention_shape.items()},
+                **({"cudnn_version": self.cudnn_version} if self.cudnn_version else {})}
 
 
 # -- the presets (docs/devices.md, "Achievable rates", gives every source) -------------------------
@@ -253,6 +257,52 @@ _CUDNN_H100 = (595 / 989.5 / (16384 / (16384 + CUDNN_H100_SHAPE[0])),
 #:   ``fa2`` fit's shape (the same kernel's points). torch's SDPA build (``fa2``) forwards at 329.
 _FLASH_ATTN_H100 = (FA3_H100_FWD[("fa2", False, 128)][-1] / 989.5 / (16384 / (16384 + FA2_H100_SHAPE[0])),
                     FA3_H100_BWD[("fa2", 128)][-1] / 989.5 / (16384 / (16384 + FA2_H100_SHAPE[0])))
+#: cuDNN's fused attention by version (NVIDIA/cudnn-frontend ``benchmark/benchmark_results.csv``,
+#: its ``benchmark_flash_attention.py``): bf16, head dim 128, 16 heads, batch 4 / 2 / 1 / 1 / 1 at
+#: sequence 4k / 8k / 16k / 32k / 64k, one H200 with clocks locked (its README: ``nvidia-smi -ac
+#: 3201,1980``, ``-pl 700``), the same FLOP count as the papers (causal halved, backward 2.5x),
+#: version -> (causal, backward) -> TFLOP/s: 9.1.0 at b740542 (2024-05-07; "cudnn backend version :
+#: 90100", nvcr.io/nvidia/pytorch:24.03-py3 with the apt cudnn), 9.4.0 at de355c7 (2024-09-23,
+#: "Updated benchmark numbers with cudnn 9.4.0"; pytorch:24.07-py3 with the apt cudnn)
+CUDNN_FE_H200 = {
+    "9.1.0": {(False, False): (654.2, 668.7, 641.9, 612.6, 602.2), (False, True): (517.3, 530.4, 538.5, 536.2, 535.4),
+              (True, False): (542.3, 572.9, 586.8, 577.3, 567.0), (True, True): (443.6, 463.5, 497.7, 499.7, 503.8)},
+    "9.4.0": {(False, False): (704.4, 696.5, 688.0, 648.6, 635.0), (False, True): (535.1, 537.0, 546.5, 546.3, 549.3),
+              (True, False): (613.5, 646.0, 650.0, 636.1, 631.2), (True, True): (438.5, 461.9, 488.6, 504.1, 508.1)}}
+#: the version the Hopper presets' ``cudnn`` rates stand for (the FlashAttention-3 paper's bars,
+#: 2024-07: its cuDNN version is not stated; 9.1.0 is the release before them that was measured)
+CUDNN_BASE_VERSION = "9.1.0"
+
+
+def _version_key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def cudnn_version_scale(version: str, backward: bool, causal: bool) -> float:
+    """A measured cuDNN ``version``'s speed over :data:`CUDNN_BASE_VERSION`'s for one pass: the
+    geometric mean over the five lengths of :data:`CUDNN_FE_H200`'s ratios (the same script, GPU and
+    locked clocks, so those cancel); 1 for the base version or ""."""
+    if not version or version == CUDNN_BASE_VERSION:
+        return 1.0
+    new, old = CUDNN_FE_H200[version][(causal, backward)], CUDNN_FE_H200[CUDNN_BASE_VERSION][(causal, backward)]
+    return math.exp(sum(math.log(a / b) for a, b in zip(new, old)) / len(new))
+
+
+def measured_cudnn_version(given: str, where: str) -> str:
+    """The measured version (:data:`CUDNN_FE_H200`) a run on cuDNN ``given`` takes: the newest one
+    not newer than it; ProgramError naming ``where`` for a malformed version or one older than the
+    oldest measured."""
+    ok = isinstance(given, str) and all(x.isdigit() for x in given.split(".")) and 1 <= len(given.split(".")) <= 4
+    if not ok:
+        raise ProgramError(f"{where}: expected a cuDNN version such as \"9.4.0\", got {json.dumps(given)[:40]}")
+    known = sorted(CUDNN_FE_H200, key=_version_key)
+    older = [v for v in known if _version_key(v) <= _version_key(given)]
+    if not older:
+        raise ProgramError(f"{where}: no Hopper rates measured for cuDNN {given[:20]} (the oldest measured is "
+                           f"{known[0]}; measured: {', '.join(known)})")
+    return older[-1]
+
+
 _H100_SHAPE = {"fa2": FA2_H100_SHAPE, "flash-attn": FA2_H100_SHAPE, "cudnn": CUDNN_H100_SHAPE}
 #: GH100 (132 SMs) at two board powers, NVIDIA's datasheets: H100 SXM at 700 W, dense bf16 989.5
 #: TFLOP/s (1,979 with sparsity); H100 NVL at 350-400 W, 835.5 (1,671 with sparsity): the same
@@ -385,7 +435,8 @@ def attention_efficiency(rates: Rates, kernel: str, backward: bool, seq: int, he
     s = max(seq / 2 if causal else seq, 1.0)
     ssat = s / (s + s0)
     dsat = min(1.0, (head_dim / (head_dim + d0)) / (128.0 / (128.0 + d0))) if d0 > 0 else 1.0
-    return (bwd if backward else fwd) * ssat * dsat * (share if causal else 1.0)
+    version = cudnn_version_scale(rates.cudnn_version, backward, causal) if kernel == "cudnn" else 1.0
+    return (bwd if backward else fwd) * ssat * dsat * (share if causal else 1.0) * version
 
 
 def _dist(a: tuple[float, ...], b: tuple[float, ...]) -> float:
@@ -422,7 +473,7 @@ def measured_attention(measured: Measured, key: str, backward: bool, seq: int, h
 # -- a device file's "efficiency" object ----------------------------------------------------------
 
 _FIELDS = ("sms", "gemm", "attention", "attention_kernel", "attention_shape", "hbm", "launch_us", "k0", "s0", "d0", "clock", "sustained",
-           "power_points", "gemm_k", "speed_sd")
+           "power_points", "gemm_k", "speed_sd", "cudnn_version")
 #: the largest ``speed_sd`` a device file may give (half the median GPU's time)
 MAX_SPEED_SD = 0.5
 
@@ -532,6 +583,9 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
                                f"time over the GPUs of its SKU, a fraction from 0 to {MAX_SPEED_SD:g} of the median "
                                f"GPU's (0: none), got {json.dumps(v)[:40]}")
         got["speed_sd"] = float(v)
+    if "cudnn_version" in obj:
+        v = measured_cudnn_version(obj["cudnn_version"], "--device efficiency.cudnn_version")
+        got["cudnn_version"] = "" if v == CUDNN_BASE_VERSION else v
     if "launch_us" in obj:
         got["launch_s"] = _positive("launch_us", obj["launch_us"], 1e6) * 1e-6
     for key in ("k0", "s0", "d0"):
@@ -548,6 +602,7 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
 __all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "GPU_SPEED_SD", "H100_RATES", "H200_RATES", "HOPPER_POWER", "HOPPER_SUSTAINED", "K0_SCALE", "RowGroup", "TILES",
            "TRITON_A100", "TRITON_A100_FIG4", "TRITON_A100_SHAPE", "FA2_A100_FIG4", "FA2_A100_SHAPE",
            "FA2_H100_PAIR", "FA3_H100_FWD", "FA3_H100_BWD", "FA2_H100_SHAPE", "CUDNN_H100_SHAPE",
-           "TE_ATTENTION_CONFIGS", "TE_H100_MS",
+           "TE_ATTENTION_CONFIGS", "TE_H100_MS", "CUDNN_FE_H200", "CUDNN_BASE_VERSION", "cudnn_version_scale",
+           "measured_cudnn_version",
            "Rates", "attention_efficiency", "clock_at_power", "gemm_efficiency", "measured_attention", "measured_gemm", "parse_rates",
            "expected_tiles", "grouped_efficiency", "grouped_tile_utilisation", "tile_wave_utilisation"]
