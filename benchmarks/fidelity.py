@@ -156,7 +156,7 @@ CUDNN_VERSIONS = (
      "row): pytorch:25.06-py3 with cudnn9.11.0.92 copied over its 9.10.2"),
     ("megatron_moe_zoo", "9.7.1",
      "yanring/Megatron-MoE-ModelZoo dockers/Dockerfile at 8017e11 (the 4k table, 2025-05-27): pytorch:25.02-py3, "
-     "whose release notes give cuDNN 9.7.1"),
+     "cuDNN 9.7.1 by NGC's release notes (not in the mirrors; any version from 9.4.0 on takes the same rates)"),
     ("nemo2509", "9.13.1", "NGC pytorch:25.09-py3 (Megatron-Bridge's base image; cudnn-frontend bb37575 README: 9.13.1)"),
     ("nemo2511", "9.17.0", "NGC pytorch:25.11-py3 (cudnn-frontend d48a60e README: 9.17.0)"),
     ("nemo26", "9.17.0", "NGC pytorch:26.02-26.06 (Megatron-Bridge docker/Dockerfile.ci BASE_IMAGE): at least 25.11's 9.17.0"),

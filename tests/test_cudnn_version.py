@@ -71,3 +71,10 @@ def test_a_version_without_measured_rates_is_refused_naming_the_field() -> None:
         device_from_json({"base": "h100", "efficiency": {"cudnn_version": "nine"}})
     with pytest.raises(ProgramError, match="cudnn_version: expected a cuDNN version"):
         device_from_json({"base": "h100", "efficiency": {"cudnn_version": 9.4}})
+
+
+def test_a_version_on_a_device_without_cudnn_rates_is_refused() -> None:
+    # the A100 presets have no cudnn kernel: a version would silently change nothing
+    with pytest.raises(ProgramError, match=r"^--device efficiency.cudnn_version: the device has no cudnn attention "
+                                           r"rates to scale"):
+        device_from_json({"base": "a100", "efficiency": {"cudnn_version": "9.4.0"}})

@@ -592,6 +592,9 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
         if key in obj:
             got[key] = _positive(key, obj[key], 1e9)
     new = Rates(**{**base.__dict__, **got})
+    if new.cudnn_version and "cudnn" not in new.attention:
+        raise ProgramError("--device efficiency.cudnn_version: the device has no cudnn attention rates to scale (the "
+                           "versions' speed-ups are measured on Hopper); leave cudnn_version out")
     missing = [k for k in new.attention_kernel.values() if k not in new.attention]
     if missing:
         raise ProgramError(f"--device efficiency.attention_kernel: kernel {missing[0]!r} has no rates in "
