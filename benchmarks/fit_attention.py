@@ -201,7 +201,7 @@ def held_out(fits: dict[str, Fit]) -> list[Check]:
 
 #: the H100 preset asymptotes' cited figures (rates.py ``_FA2_H100``, ``_CUDNN_H100``): kernel ->
 #: ((forward TFLOP/s, its sequence), (backward TFLOP/s, its sequence)), non-causal, head dim 128
-CITED = {"fa2": ((329.483, 4608), (322.0, 16384)), "cudnn": ((595.0, 16384), (516.0, 16384))}
+CITED = {"fa2": ((329.483, 4608), (322.0, 16384)), "cudnn": ((641.9, 16384), (538.5, 16384))}
 
 
 def with_te_presets() -> dict[str, tuple[tuple[float, float, float], tuple[float, float]]]:

@@ -164,11 +164,11 @@ def test_attention_efficiency_gives_each_kernel_its_fitted_shape() -> None:
     got = attention_efficiency(A100_RATES, "fa2", False, 4096, 64, True)
     assert got == pytest.approx(0.70 * 0.899824 * 0.880952 * 0.927, rel=1e-5)
     assert got == pytest.approx(0.5144, abs=1e-4)
-    # cudnn on H100, backward, causal, d 128, 8k: the asymptote 516 / 989.5 / (16384 / 16592) =
-    # 0.52811, x 4096 / 4304 x 0.894 = 0.44930
+    # cudnn on H100, backward, causal, d 128, 8k: the asymptote 538.5 / 989.5 / (16384 / 16592) =
+    # 0.55112 (cuDNN 9.1.0's backward at 16k, cudnn-frontend), x 4096 / 4304 x 0.894 = 0.46889
     got = attention_efficiency(H100_RATES, "cudnn", True, 8192, 128, True)
-    assert got == pytest.approx(516 / 989.5 / (16384 / 16592) * 4096 / 4304 * 0.894, rel=1e-9)
-    assert got == pytest.approx(0.4493, abs=1e-4)
+    assert got == pytest.approx(538.5 / 989.5 / (16384 / 16592) * 4096 / 4304 * 0.894, rel=1e-9)
+    assert got == pytest.approx(0.4689, abs=1e-4)
     # fa2 on H100 (and H200, the same chip), forward, non-causal, d 64, 2k: 329.483 / 989.5 / (4608 / 4816)
     # = 0.34800, x 2048 / 2256 x (64/84)/(128/148) = 0.27831
     for rates in (H100_RATES, H200_RATES):
@@ -195,17 +195,17 @@ def test_te_benchmark_times_give_the_measured_tflops() -> None:
 
 
 def test_te_held_out_check_prices_each_point_with_the_preset_and_the_fit() -> None:
-    # cuDNN at test_3, the preset: forward 595 / 989.5 / (16384 / 16592) x 4096 / 4304 x 0.894 of
-    # 989.5 = 512.74, backward (516) 444.66; the pair 3.5 / (1/512.74 + 2.5/444.66) = 462.1, 0.899 of
-    # the measured 514.0 (the bias config is not checked: the form has no bias)
+    # cuDNN at test_3, the preset: forward 641.9 / 989.5 / (16384 / 16592) x 4096 / 4304 x 0.894 of
+    # 989.5 = 553.06, backward (538.5) 463.97; the pair 3.5 / (1/553.06 + 2.5/463.97) = 486.4, 0.946
+    # of the measured 514.0 (the bias config is not checked: the form has no bias)
     fa = _fit_module()
     checks = {(c.sku, c.kernel, c.test): c for c in fa.held_out({k: fa.fit("h100", k) for k in ("fa2", "cudnn")})}
     assert not [k for k in checks if k[2] == "test_2"] and len(checks) == 12
     c = checks[("sxm", "cudnn", "test_3")]
-    fwd = 595 * 16592 / 16384 * 4096 / 4304 * 0.894
-    bwd = 516 * 16592 / 16384 * 4096 / 4304 * 0.894
+    fwd = 641.9 * 16592 / 16384 * 4096 / 4304 * 0.894
+    bwd = 538.5 * 16592 / 16384 * 4096 / 4304 * 0.894
     assert c.preset == pytest.approx(3.5 / (1 / fwd + 2.5 / bwd), rel=1e-9)
-    assert c.preset == pytest.approx(462.1, abs=0.1) and c.measured == pytest.approx(514.0, abs=0.1)
+    assert c.preset == pytest.approx(486.4, abs=0.1) and c.measured == pytest.approx(514.0, abs=0.1)
     # the fit's own asymptotes (forward 0.6298, backward 0.5428 of 989.5) give 475.7
     assert c.fitted == pytest.approx(475.7, abs=0.1)
     # the PCIe card on its own peak, 756.5: flash-attn at test_3, the preset's fraction x 756.5
@@ -221,8 +221,8 @@ def test_with_te_the_h100_fits_move_little_and_the_default_fits_not_at_all() -> 
     g = fa.fit("h100", "fa2", with_te=True)
     assert (g.s0, g.d0) == (220.0, 20.0) and g.share == pytest.approx(0.918, abs=5e-4)
     presets = fa.with_te_presets()
-    # the cited 595 TFLOP/s at 16k over the new s / (s + 228)
-    assert presets["cudnn"][1][0] == pytest.approx(595 / 989.5 * (16384 + 228) / 16384, rel=1e-9)
+    # the cited 641.9 TFLOP/s at 16k over the new s / (s + 228)
+    assert presets["cudnn"][1][0] == pytest.approx(641.9 / 989.5 * (16384 + 228) / 16384, rel=1e-9)
     assert H100_RATES.attention_shape["cudnn"] == CUDNN_H100_SHAPE == (208.0, 72.0, 0.894)
 
 
@@ -239,7 +239,7 @@ def test_attention_whatif_patches_the_hopper_presets_and_names_the_kernel_per_ru
         mod.patch(0.838)
         r = DEVICES["h800"].rates
         assert r.attention_shape["cudnn"] == (228.0, 76.0, 0.915) and r.sustained == 0.838
-        assert r.attention["cudnn"][0] == pytest.approx(595 / 989.5 * (16384 + 228) / 16384, rel=1e-9)
+        assert r.attention["cudnn"][0] == pytest.approx(641.9 / 989.5 * (16384 + 228) / 16384, rel=1e-9)
         mod.kernels(["nemo2403=fa2"], ["nemo2403_b"])
         row = {"id": "nemo2403_a", "model": {}, "parallelism": {}, "hardware": {}}
         assert mod.fidelity.foundry_argv(row, [])[-2:] == ["--attention-kernel", "fa2"]

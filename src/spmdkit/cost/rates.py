@@ -236,27 +236,6 @@ TE_H100_MS = {"sxm": {("cudnn", "test_0"): 0.0340, ("fa2", "test_0"): 0.0468, ("
               "pcie": {("cudnn", "test_0"): 0.0638, ("fa2", "test_0"): 0.0858, ("cudnn", "test_1"): 0.5415,
                        ("fa2", "test_1"): 0.7496, ("cudnn", "test_2"): 1.2302, ("cudnn", "test_3"): 12.0122,
                        ("fa2", "test_3"): 19.0716}}
-#: Flash attention on H100 SXM5 at head dim 128 (each asymptote = the cited TFLOP/s / 989.5 / the
-#: sequence saturation, the kernel's ``S0``, at the cited length, so the model gives the cited figure
-#: there):
-#: - ``fa2``, torch's ``scaled_dot_product_attention`` (its flash backend, FlashAttention-2; cuDNN is
-#:   opt-in since pytorch/pytorch#138522, 2.5.1): forward 329.483 TFLOP/s at (batch 1, 24 heads,
-#:   4608 tokens), non-causal, torch 2.6.0.dev20241204 (pytorch/pytorch#142132, tritonbench);
-#:   backward FlashAttention-2's 322 at 16k (FlashAttention-3 paper, Shah et al. 2024, backward
-#:   figure, head dim 128).
-#: - ``cudnn``, Transformer Engine's fused attention (cuDNN): 595 forward, 516 backward at 16k, the
-#:   same paper's non-causal head-dim-128 figures.
-_FA2_H100 = (329.483 / 989.5 / (4608 / (4608 + FA2_H100_SHAPE[0])),
-             322 / 989.5 / (16384 / (16384 + FA2_H100_SHAPE[0])))
-_CUDNN_H100 = (595 / 989.5 / (16384 / (16384 + CUDNN_H100_SHAPE[0])),
-               516 / 989.5 / (16384 / (16384 + CUDNN_H100_SHAPE[0])))
-#: - ``flash-attn``, FlashAttention-2 as Dao's ``flash-attn`` package builds it (what Transformer
-#:   Engine's ``FlashAttention`` backend calls: NeMo-Framework-Launcher 24.01-24.07's
-#:   ``NVTE_FUSED_ATTN: 0``): the FlashAttention-3 paper's "FlashAttention-2" bars, non-causal head
-#:   dim 128 at 16k, forward 370, backward 322 (:data:`FA3_H100_FWD`, :data:`FA3_H100_BWD`); the
-#:   ``fa2`` fit's shape (the same kernel's points). torch's SDPA build (``fa2``) forwards at 329.
-_FLASH_ATTN_H100 = (FA3_H100_FWD[("fa2", False, 128)][-1] / 989.5 / (16384 / (16384 + FA2_H100_SHAPE[0])),
-                    FA3_H100_BWD[("fa2", 128)][-1] / 989.5 / (16384 / (16384 + FA2_H100_SHAPE[0])))
 #: cuDNN's fused attention by version (NVIDIA/cudnn-frontend ``benchmark/benchmark_results.csv``,
 #: its ``benchmark_flash_attention.py``): bf16, head dim 128, 16 heads, batch 4 / 2 / 1 / 1 / 1 at
 #: sequence 4k / 8k / 16k / 32k / 64k, one H200 with clocks locked (its README: ``nvidia-smi -ac
@@ -269,9 +248,32 @@ CUDNN_FE_H200 = {
               (True, False): (542.3, 572.9, 586.8, 577.3, 567.0), (True, True): (443.6, 463.5, 497.7, 499.7, 503.8)},
     "9.4.0": {(False, False): (704.4, 696.5, 688.0, 648.6, 635.0), (False, True): (535.1, 537.0, 546.5, 546.3, 549.3),
               (True, False): (613.5, 646.0, 650.0, 636.1, 631.2), (True, True): (438.5, 461.9, 488.6, 504.1, 508.1)}}
-#: the version the Hopper presets' ``cudnn`` rates stand for (the FlashAttention-3 paper's bars,
-#: 2024-07: its cuDNN version is not stated; 9.1.0 is the release before them that was measured)
+#: the version the Hopper presets' ``cudnn`` rates stand for: their level is its measured one
+#: (``_CUDNN_H100`` below)
 CUDNN_BASE_VERSION = "9.1.0"
+#: Flash attention on H100 SXM5 at head dim 128 (each asymptote = the cited TFLOP/s / 989.5 / the
+#: sequence saturation, the kernel's ``S0``, at the cited length, so the model gives the cited figure
+#: there):
+#: - ``fa2``, torch's ``scaled_dot_product_attention`` (its flash backend, FlashAttention-2; cuDNN is
+#:   opt-in since pytorch/pytorch#138522, 2.5.1): forward 329.483 TFLOP/s at (batch 1, 24 heads,
+#:   4608 tokens), non-causal, torch 2.6.0.dev20241204 (pytorch/pytorch#142132, tritonbench);
+#:   backward FlashAttention-2's 322 at 16k (FlashAttention-3 paper, Shah et al. 2024, backward
+#:   figure, head dim 128).
+#: - ``cudnn``, Transformer Engine's fused attention (cuDNN): cuDNN 9.1.0's 641.9 forward, 538.5
+#:   backward at 16k, non-causal (:data:`CUDNN_FE_H200`, cudnn-frontend's benchmark of that version;
+#:   the FlashAttention-3 paper's cuDNN bars, 595 / 516 there, version not stated, are 0.90-0.96 of
+#:   it at the same shapes and give the kernel's shape, :data:`CUDNN_H100_SHAPE`).
+_FA2_H100 = (329.483 / 989.5 / (4608 / (4608 + FA2_H100_SHAPE[0])),
+             322 / 989.5 / (16384 / (16384 + FA2_H100_SHAPE[0])))
+_CUDNN_H100 = (CUDNN_FE_H200[CUDNN_BASE_VERSION][(False, False)][2] / 989.5 / (16384 / (16384 + CUDNN_H100_SHAPE[0])),
+               CUDNN_FE_H200[CUDNN_BASE_VERSION][(False, True)][2] / 989.5 / (16384 / (16384 + CUDNN_H100_SHAPE[0])))
+#: - ``flash-attn``, FlashAttention-2 as Dao's ``flash-attn`` package builds it (what Transformer
+#:   Engine's ``FlashAttention`` backend calls: NeMo-Framework-Launcher 24.01-24.07's
+#:   ``NVTE_FUSED_ATTN: 0``): the FlashAttention-3 paper's "FlashAttention-2" bars, non-causal head
+#:   dim 128 at 16k, forward 370, backward 322 (:data:`FA3_H100_FWD`, :data:`FA3_H100_BWD`); the
+#:   ``fa2`` fit's shape (the same kernel's points). torch's SDPA build (``fa2``) forwards at 329.
+_FLASH_ATTN_H100 = (FA3_H100_FWD[("fa2", False, 128)][-1] / 989.5 / (16384 / (16384 + FA2_H100_SHAPE[0])),
+                    FA3_H100_BWD[("fa2", 128)][-1] / 989.5 / (16384 / (16384 + FA2_H100_SHAPE[0])))
 
 
 def _version_key(v: str) -> tuple[int, ...]:
