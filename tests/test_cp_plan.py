@@ -1,6 +1,7 @@
 """Context parallelism end to end on the cost side: Llama-3-8B at 131,072 tokens on 64 H100s
 (cp=8, tp=8) plans, fits in 80 GB, reports its ring's exposed communication, and carries the
-error band of the published cp runs; the search considers cp for long sequences only."""
+error band of the published cp runs, whose accuracy is issue 26's bound or not yet (a strict xfail);
+the search considers cp for long sequences only."""
 
 from __future__ import annotations
 
@@ -50,22 +51,20 @@ def test_llama3_8b_131k_ring_exposed_reported(done: dict) -> None:
     assert "ring attention over cp=8:" in text and "exposed (" in text
 
 
-@pytest.mark.xfail(strict=True, reason="issues 26 / 29: the H100 cp prediction is optimistic since the sp+cp fix and "
-                   "the rate audit; with the sustained share (0.864, calibrated on the runs without cp), the slowest of 64 "
-                   "GPUs and cuDNN's own causal shape, MFU 55.0% / the cp runs' band p90 1.181 (fidelity.py's band of this "
-                   "code, torch's context_parallel priced as it runs, compiled: its collectives waited where issued) = 0.466, "
-                   "above Llama 3's 38% (a "
-                   "figure whose attention FLOP count Meta does not state: docs/context.md, the out-of-sample 131k row); "
-                   "strict: passes (and fails here) once the cp runs' residual is explained")
-def test_llama3_8b_131k_within_the_cp_runs_band(done: dict) -> None:
-    # the plan carries the error band of the published cp runs (benchmarks/fidelity.py --write), and
-    # the MFU that band implies for the real step brackets what long-context training reaches on
-    # H100s: Llama 3's 38% (Dubey et al. 2024, Table 4: 131,072 tokens with cp=16, BF16 MFU 38%)
+@pytest.mark.xfail(strict=True, reason="issue 29: the published cp runs are not yet predicted within issue 26's bound: "
+                   "their band (band.json family cp, benchmarks/fidelity.py) is 0.91-1.18, p90 1.181 > 1.12, set by "
+                   "torchtitan's Table 2 rows at cp 4 and 8 (1.171, 1.204; docs/context.md: no sourced mechanism found, "
+                   "cp 2 at 0.899); strict: passes (and fails here) once those runs are predicted within the bound")
+def test_llama3_8b_131k_within_the_cp_runs_fidelity_bound(done: dict) -> None:
+    # issue 29: the plan's predicted step is within the fidelity bound of the published long-context
+    # runs. A plan has no measured step of its own: it carries the error band of the published runs
+    # with cp > 1, and that band must meet issue 26's bound on them: the median within 5% and 80% of
+    # the runs within 12% (the band's 10th and 90th percentiles of measured / predicted step time)
     band = error_band("h100", cp=True)
     assert band is not None and band.family.startswith("context-parallel") and band.runs == 8
     assert done["step"]["error_band"]["family"] == band.family
-    mfu = done["step"]["mfu"]
-    assert mfu / band.p90 <= 0.38 <= mfu / band.p10
+    assert abs(band.p50 - 1) <= 0.05
+    assert 0.88 <= band.p10 and band.p90 <= 1.12
 
 
 def test_context_degrees() -> None:
