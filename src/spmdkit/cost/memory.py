@@ -255,8 +255,8 @@ def recompute_regions(prog: Program, mode: str, framework: str = "megatron") -> 
                                f"{len(groups)} (give K from 1 to {len(groups)})")
         if n is not None:
             if n > len(groups):
-                raise ProgramError(f"--recompute {mode}: checkpoints every {n}-th layer, but the model has "
-                                   f"{len(groups)}, so none would be (give N from 1 to {len(groups)}, or none)")
+                raise ProgramError(f"--recompute {mode}: checkpoints layers {n}, {2 * n}, ... (counted from 1), but the "
+                                   f"model has {len(groups)}, so none would be (give N from 1 to {len(groups)}, or none)")
             return [groups[i] for i in every_blocks([len(groups)], n)[0]]
         return groups[:k]
     mods = recompute_modules(mode)

@@ -166,8 +166,8 @@ def recipe_warning(kind: str, r: dict[str, Any]) -> str | None:
                 f"{r['predicted']['step_s']:.4g} s predicted)")
     n = r.get("recompute_every")
     if kind == "megatron" and n:
-        return (f"--export-recipe megatron: recompute {r['recompute']} (torchtitan's checkpoint of every {n}-th block) "
-                f"has no Megatron-LM form (--recompute-method is uniform or block); written as --recompute-granularity "
+        return (f"--export-recipe megatron: recompute {r['recompute']} (torchtitan's checkpoint of blocks {n}, {2 * n}, ... of "
+                f"each pipeline rank) has no Megatron-LM form (--recompute-method is uniform or block); written as --recompute-granularity "
                 f"full --recompute-method uniform --recompute-num-layers 1 (every layer: less memory, a slower step "
                 f"than the {r['predicted']['step_s']:.4g} s predicted)")
     return None

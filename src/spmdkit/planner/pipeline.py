@@ -540,8 +540,8 @@ def every_layers(prog: Program, counts: tuple[int, ...], n: int, p: int) -> froz
     if not out:
         most = max(sum(counts[r::p]) for r in range(p))
         raise ProgramError(f"--recompute every:{n}: torchtitan counts the blocks of each pipeline rank and "
-                           f"checkpoints every {n}-th; no rank holds {n} (the most: {most}), so none would be "
-                           f"(give N from 1 to {most}, or none)")
+                           f"checkpoints its blocks {n}, {2 * n}, ...; no rank holds {n} (the most: {most}), so none "
+                           f"would be (give N from 1 to {most}, or none)")
     return frozenset(out)
 
 
