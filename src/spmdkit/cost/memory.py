@@ -62,6 +62,9 @@ Recomputation (``recompute``):
   its outputs that the backward of an op outside the recomputed layers reads (the last layer's
   output, which the final norm saves: :mod:`spmdkit.cost.checkpoints`). A program without numbered
   layer labels is refused with a ProgramError.
+- ``full:K`` / ``every:N``: ``full``'s regions of the first K layers (Megatron-LM's block
+  method) or of every N-th layer (torchtitan's ``selective_ac_option = N``,
+  :func:`~spmdkit.cost.checkpoints.every_blocks`); a pipeline picks them per stage / per rank.
 
 :data:`RECOMPUTE` names the modes. :func:`recompute_regions` gives the recomputed forward ops.
 """
