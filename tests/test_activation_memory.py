@@ -165,7 +165,7 @@ def test_bad_recompute_and_dropout_are_program_errors(capsys: pytest.CaptureFixt
     err = capsys.readouterr().err
     assert rc == 2
     assert err.strip().splitlines() == ["spmdkit plan: ProgramError: --recompute 'partial': expected one of none, "
-                                        "selective, full, microbatch or selective:M1,M2 (modules core_attn, "
+                                        "selective, full, microbatch, full:K, every:N or selective:M1,M2 (modules core_attn, "
                                         "layernorm, mlp, moe, moe_act, shared_experts, mla_up_proj)"]
 
 

@@ -19,7 +19,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens
 from spmdkit.cost.devices import cost_model, load_device, recost
-from spmdkit.cost.memory import Memory, recompute_layers, recompute_regions
+from spmdkit.cost.memory import Memory, recompute_every, recompute_layers, recompute_regions
 from spmdkit.cost.step import StepEstimate, estimate_step
 from spmdkit.models import catalog
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, load
@@ -105,11 +105,12 @@ def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
 
 
 def block_recompute(prog: Program, recompute: str) -> str:
-    """``--recompute full:K`` of a plan without a pipeline: ``full`` where K is every layer of
-    ``prog`` (Megatron-Core's block method then checkpoints each layer, as full recomputation
-    does), else ``recompute``; a ProgramError naming ``--recompute`` where K is more than its layers
+    """``--recompute full:K`` or ``every:N`` of a plan without a pipeline: ``full`` where they
+    recompute every layer of ``prog`` (Megatron-Core's block method with K the layers, torchtitan's
+    ``selective_ac_option = "1"``: each layer checkpointed, as full recomputation does), else
+    ``recompute``; a ProgramError naming ``--recompute`` where K or N is more than its layers
     (:func:`spmdkit.cost.memory.recompute_regions`)."""
-    if recompute_layers(recompute) is not None and \
+    if (recompute_layers(recompute) is not None or recompute_every(recompute) is not None) and \
             len(recompute_regions(prog, recompute)) == len(recompute_regions(prog, "full")):
         return "full"
     return recompute

@@ -60,7 +60,7 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
         with strategy_notes("plan"):
             req.model.check_config()
             runtime = req.links.runtime()  # a bad --precision / --framework named before planning
-            check_recompute(req.recompute or "none", True, runtime.framework)  # (full:K: megatron's alone)
+            check_recompute(req.recompute or "none", True, runtime.framework)  # (full:K: megatron's; every:N: torchtitan's)
             if req.links.device:  # and fp8 on a GPU without fp8 tensor cores
                 load_device(str(req.links.device)).check_precision(runtime.precision)
             devices = req.devices is not None
@@ -150,7 +150,7 @@ def _run_plan(req: PlanRequest, out: TextIO) -> int:
     first, *notes = loaded.title.split("\n")  # an HF title's warning and note lines stay below its first
     title = "\n".join([first + (f"; strategy {strategy}" if strategy else ""), *notes])
     config = loaded.model.config if loaded.model is not None else None
-    recompute = block_recompute(plan.program, recompute)  # full:K: the first K layers of the model
+    recompute = block_recompute(plan.program, recompute)  # full:K / every:N: the model's first K / every N-th layers
     plan, est = step_estimate(req.links, plan, config, recompute)
     mem = memory_per_device(plan, recompute)
     export_plan_file(req, plan)

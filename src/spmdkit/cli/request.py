@@ -423,13 +423,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", dest="grad_accum", metavar="K",
                    help="gradient accumulation: K forward/backward micro-steps per optimizer step, the gradients "
                         "accumulated and reduced once (default 1)")
-    p.add_argument("--recompute", default=None, metavar="none|selective|selective:M1,M2|full|full:K|microbatch",
+    p.add_argument("--recompute", default=None, metavar="none|selective|selective:M1,M2|full|full:K|every:N|microbatch",
                    help="activation recomputation: selective (the attention core, Korthikanti et al. 2022); "
                         "selective:M1,M2 (Megatron-Core's --recompute-modules: the named modules of each layer "
                         "run again, among core_attn, layernorm, mlp, moe, moe_act, shared_experts, mla_up_proj); "
                         "full (every layer, only its input kept); full:K (the first K layers of each pipeline "
                         "stage, of the model without a pipeline, Megatron-LM's --recompute-method block "
-                        "--recompute-num-layers K); microbatch (a "
+                        "--recompute-num-layers K); every:N (torchtitan's selective_ac_option = N: every N-th "
+                        "block of each pipeline rank checkpointed whole, the others not); microbatch (a "
                         "pipeline: every activation of "
                         "as many in-flight microbatches as fit, the attention core of the others recomputed, "
                         "Korthikanti et al. App. C); in the memory and the --device step (default "

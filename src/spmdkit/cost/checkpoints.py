@@ -9,7 +9,8 @@ transformer_engine/pytorch/distributed.py at d0067d0), called by TransformerBloc
 ``_checkpointed_forward`` (megatron/core/transformer/transformer_block.py, the same from
 core_v0.6.0 to core_v0.15.0, 0d7e02bd) on each chunk of ``recompute_num_layers`` layers
 (method uniform) or on each of the first ``recompute_num_layers`` layers (method block); torch's
-``checkpoint_wrapper`` as torchtitan wraps each block (9dec370, ``_apply_ac_to_transformer_block``).
+``checkpoint_wrapper`` as torchtitan wraps each block (9dec370, ``_apply_ac_to_transformer_block``),
+or every N-th block under ``selective_ac_option = N`` (``every:N``, :func:`every_blocks`).
 The op after a checkpoint that is not itself checkpointed saves its input as any op does: the
 final norm the last layer's output (TransformerBlock ``final_layernorm``; torchtitan's
 ``self.norm``), the first layer that block recomputation leaves out its input (its
@@ -23,6 +24,7 @@ sent (``deallocate_output_tensor``) and the next stage's first layer keeps it as
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.recompute_modules import MODULES, recompute_modules
@@ -38,7 +40,7 @@ def layer_numbers(label: str) -> tuple[int, ...]:
     return tuple(int(n) for n in _LAYER_NUMBER.findall(label))
 
 
-#: the recomputation modes besides ``full:K``, ``selective:M1,M2`` and :data:`MICROBATCH`
+#: the recomputation modes besides ``full:K``, ``every:N``, ``selective:M1,M2`` and :data:`MICROBATCH`
 RECOMPUTE = ("none", "selective", "full")
 
 #: the frameworks whose activation checkpointing has no count of layers (``full:K`` refused):
@@ -47,6 +49,18 @@ RECOMPUTE = ("none", "selective", "full")
 #: SelectiveAC, MemoryBudgetAC, no layer option) and NeMo AutoModel's
 #: ``distributed.activation_checkpointing`` (a bool; later ``"selective"`` or ``"full"``)
 NO_LAYER_COUNT = ("torchtitan", "automodel")
+
+#: the frameworks that checkpoint every N-th block (``every:N``): torchtitan's layer-frequency
+#: selective AC, ``mode = "selective"`` with ``selective_ac_option = "N"`` (torchtrain 0d415d7,
+#: 2024-03-14, to its removal in 114151ad4, 2026-03-23). Megatron-Core's ``recompute_method`` is
+#: ``uniform`` or ``block`` (transformer_config.py at d98e8a6), NeMo AutoModel's scope a set of
+#: layer roles (``select_activation_checkpointing_layers``): neither has it
+EVERY_FRAMEWORKS = ("torchtitan",)
+
+#: what each other framework's whole-layer checkpointing has instead (the refusal's advice)
+_WHOLE_LAYER_MODES = {"megatron": "full (--recompute-method uniform, 1 layer a unit) or full:K (--recompute-method "
+                                  "block: the first K layers of each stage)",
+                      "automodel": "full (every layer) or selective"}
 
 
 #: microbatch-level recomputation (Korthikanti et al. 2022, App. C), a pipeline's mode: each
@@ -67,11 +81,57 @@ def recompute_layers(mode: str) -> int | None:
     return None
 
 
+def recompute_every(mode: str) -> int | None:
+    """N of ``every:N`` (torchtitan's ``selective_ac_option = "N"``: every N-th transformer block
+    of each pipeline rank checkpointed whole, :func:`every_blocks`), None for the other modes; a
+    ProgramError naming ``--recompute`` where N is not an integer from 1."""
+    if not (isinstance(mode, str) and mode.startswith("every:")):
+        return None
+    n = mode[6:]
+    if not (n.isascii() and n.isdigit() and 1 <= len(n) <= 6):
+        raise ProgramError(f"--recompute {mode[:40]!r}: expected every:N with N a whole number of blocks >= 1 "
+                           f"(torchtitan's selective_ac_option = \"N\": every N-th block checkpointed)")
+    if int(n) < 1:
+        raise ProgramError(f"--recompute {mode[:40]!r}: N must be at least 1 (torchtitan's selective_ac_option = "
+                           f"\"0\" checkpoints every block: give full)")
+    return int(n)
+
+
+def every_blocks(counts: Sequence[int], n: int) -> list[list[int]]:
+    """The blocks ``every:N`` checkpoints on one process, by chunk: ``counts`` its model chunks'
+    blocks in the order it builds them (one chunk without a pipeline; under torchtitan's looped
+    pipeline schedules its stages ``r, r + p, ...``: ``stage_ids_this_rank(style="loop")``), the
+    indices within each chunk. torchtitan 9dec370 ``_apply_ac_to_transformer_block`` counts every
+    block it is given in one counter per process, never reset (``ptd_checkpoint_wrapper._count
+    += 1``; from 0943771 the module global ``_layer_sac_count``), and wraps a block where
+    ``count % N == 0``: the N-th, 2N-th ... block, 1-based, the count running on across chunks."""
+    out: list[list[int]] = []
+    count = 0
+    for c in counts:
+        out.append([i for i in range(c) if (count + i + 1) % n == 0])
+        count += c
+    return out
+
+
+def whole_layers(mode: str) -> bool:
+    """Whether ``mode`` checkpoints whole layers (``full``, ``full:K``, ``every:N``): what a
+    checkpointed layer's output is read by outside it is kept (:func:`layer_outputs_kept`)."""
+    return mode == "full" or recompute_layers(mode) is not None or recompute_every(mode) is not None
+
+
 def check_recompute(mode: str, pipeline: bool = False, framework: str | None = None) -> str:
     """``mode`` if it is one of :data:`RECOMPUTE`, ``full:K`` (:func:`recompute_layers`; K is
     checked against the layers by :func:`recompute_regions`; refused under a ``framework`` of
-    :data:`NO_LAYER_COUNT`) or, for a pipeline, :data:`MICROBATCH`, else a ProgramError naming
-    ``--recompute``."""
+    :data:`NO_LAYER_COUNT`), ``every:N`` (:func:`recompute_every`; refused under a ``framework``
+    not of :data:`EVERY_FRAMEWORKS`) or, for a pipeline, :data:`MICROBATCH`, else a ProgramError
+    naming ``--recompute``."""
+    if recompute_every(mode) is not None:
+        if framework is not None and framework not in EVERY_FRAMEWORKS:
+            has = _WHOLE_LAYER_MODES.get(framework, "full")
+            raise ProgramError(f"--recompute {mode} with --framework {framework}: {framework}'s activation "
+                               f"checkpointing has no setting that checkpoints every N-th layer (torchtitan's "
+                               f"selective_ac_option = N); it has {has}, or give --framework torchtitan")
+        return mode
     if recompute_layers(mode) is not None:
         if framework in NO_LAYER_COUNT:
             raise ProgramError(f"--recompute {mode} with --framework {framework}: {framework}'s activation "
@@ -85,15 +145,18 @@ def check_recompute(mode: str, pipeline: bool = False, framework: str | None = N
                            f"(give --mesh with a pp dim)")
     if mode not in RECOMPUTE and recompute_modules(mode) is None:
         shown = repr(mode[:40]) if isinstance(mode, str) else type(mode).__name__
-        raise ProgramError(f"--recompute {shown}: expected one of {', '.join((*RECOMPUTE, MICROBATCH))} or "
-                           f"selective:M1,M2 (modules {', '.join(MODULES)})")
+        raise ProgramError(f"--recompute {shown}: expected one of {', '.join((*RECOMPUTE, MICROBATCH))}, full:K, "
+                           f"every:N or selective:M1,M2 (modules {', '.join(MODULES)})")
     return mode
 
 
 def per_microbatch_mode(mode: str) -> str:
     """The recomputation of one microbatch's plan: ``selective`` for :data:`MICROBATCH` (its
-    recomputed microbatches'), ``full`` for ``full:K`` (its recomputed layers'), else ``mode``."""
-    return "selective" if mode == MICROBATCH else ("full" if recompute_layers(mode) is not None else mode)
+    recomputed microbatches'), ``full`` for ``full:K`` and ``every:N`` (its recomputed layers'),
+    else ``mode``."""
+    if mode == MICROBATCH:
+        return "selective"
+    return "full" if recompute_layers(mode) is not None or recompute_every(mode) is not None else mode
 
 
 def layer_outputs_kept(prog: Program, regions: list[list[int]], reads: dict[str, list[int]]) -> set[str]:
@@ -110,5 +173,5 @@ def layer_outputs_kept(prog: Program, regions: list[list[int]], reads: dict[str,
     return out
 
 
-__all__ = ["MICROBATCH", "NO_LAYER_COUNT", "RECOMPUTE", "check_recompute", "layer_numbers", "layer_outputs_kept", "per_microbatch_mode",
-           "recompute_layers"]
+__all__ = ["EVERY_FRAMEWORKS", "MICROBATCH", "NO_LAYER_COUNT", "RECOMPUTE", "check_recompute", "every_blocks", "layer_numbers",
+           "layer_outputs_kept", "per_microbatch_mode", "recompute_every", "recompute_layers", "whole_layers"]

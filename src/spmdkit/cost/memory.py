@@ -62,6 +62,9 @@ Recomputation (``recompute``):
   its outputs that the backward of an op outside the recomputed layers reads (the last layer's
   output, which the final norm saves: :mod:`spmdkit.cost.checkpoints`). A program without numbered
   layer labels is refused with a ProgramError.
+- ``full:K`` / ``every:N``: ``full``'s regions of the first K layers (Megatron-LM's block
+  method) or of every N-th layer (torchtitan's ``selective_ac_option = N``,
+  :func:`~spmdkit.cost.checkpoints.every_blocks`); a pipeline picks them per stage / per rank.
 
 :data:`RECOMPUTE` names the modes. :func:`recompute_regions` gives the recomputed forward ops.
 """
@@ -79,10 +82,13 @@ from spmdkit.cost.checkpoints import (
     MICROBATCH,
     RECOMPUTE,
     check_recompute,
+    every_blocks,
     layer_numbers,
     layer_outputs_kept,
     per_microbatch_mode,
+    recompute_every,
     recompute_layers,
+    whole_layers,
 )
 from spmdkit.cost.compute import gathered_itemsize
 from spmdkit.cost.context import regathers, ring_buffers
@@ -236,17 +242,25 @@ def recompute_regions(prog: Program, mode: str, framework: str = "megatron") -> 
     named module (``selective:M1,M2``: :mod:`spmdkit.cost.recompute_modules`), per layer of the
     first K in program order (``full:K`` without a pipeline: Megatron-Core's TransformerBlock
     ``_checkpointed_forward``, method block, checkpoints layers 0 .. K-1 of its chunk, the whole
-    model at pp = 1; the embedding and head are no layer); none for ``none``."""
+    model at pp = 1; the embedding and head are no layer), per N-th layer (``every:N`` without a
+    pipeline: torchtitan's ``selective_ac_option = N`` wraps layers N-1, 2N-1 ... counted from 0,
+    :func:`~spmdkit.cost.checkpoints.every_blocks`); none for ``none``."""
     check_recompute(mode)
     fwd = [i for i, op in enumerate(prog.ops) if op.phase == "forward"]
     if mode == "none":
         return []
     k = recompute_layers(mode)
-    if mode == "full" or k is not None:
+    n = recompute_every(mode)
+    if mode == "full" or k is not None or n is not None:
         groups = _layer_groups(prog, fwd, mode)
         if k is not None and k > len(groups):
             raise ProgramError(f"--recompute {mode}: recomputes the first {k} layers, but the model has "
                                f"{len(groups)} (give K from 1 to {len(groups)})")
+        if n is not None:
+            if n > len(groups):
+                raise ProgramError(f"--recompute {mode}: checkpoints layers {n}, {2 * n}, ... (counted from 1), but the "
+                                   f"model has {len(groups)}, so none would be (give N from 1 to {len(groups)}, or none)")
+            return [groups[i] for i in every_blocks([len(groups)], n)[0]]
         return groups[:k]
     mods = recompute_modules(mode)
     if framework == "torchtitan" and mods is None:
@@ -288,7 +302,8 @@ class ActivationMemory:
     bytes; ``tensors``: layer label -> [(tensor, bytes)]; ``recomputed``: the forward ops run
     again in the backward (regions, op indices); ``regathered``: tensors kept as their
     producer's shard and all-gathered again for the backward (tensor, index of the output
-    reshard that gathered them in the forward); ``layers``: the layers recomputed under ``full:K``."""
+    reshard that gathered them in the forward); ``layers``: the layers recomputed under ``full:K``
+    and ``every:N``."""
 
     recompute: str
     per_layer: dict[str, int]
@@ -365,8 +380,12 @@ def fp8_stashed(plan: Plan) -> frozenset[str]:
 
 def saved_activations(plan: Plan, recompute: str = "none", only: Collection[str] | None = None) -> ActivationMemory:
     """The activations ``plan``'s backward keeps, per layer (module docstring); ``only``: the
-    layer labels whose regions are recomputed (``full:K``: the first K of each stage), else all."""
+    layer labels whose regions are recomputed (``full:K``: the first K of each stage; ``every:N``:
+    every N-th of each pipeline rank), else all. ``every:N`` is refused under a framework without
+    it (:func:`~spmdkit.cost.checkpoints.check_recompute`)."""
     check_recompute(recompute)
+    if recompute_every(recompute) is not None:
+        check_recompute(recompute, framework=plan.runtime.framework)
     prog = plan.program
     reads = value_reads(prog)
     # layer of a kept tensor: that of the last backward op reading it (the earliest layer)
@@ -375,7 +394,7 @@ def saved_activations(plan: Plan, recompute: str = "none", only: Collection[str]
     regions = recompute_regions(prog, recompute, plan.runtime.framework)
     if only is not None:
         regions = [r for r in regions if prog.ops[r[0]].layer in only]
-    whole = recompute == "full" or recompute_layers(recompute) is not None  # whole layers: their outputs
+    whole = whole_layers(recompute)  # whole layers (full, full:K, every:N): their outputs
     outside = layer_outputs_kept(prog, regions, reads) if whole else set()  # that an op after them saves
     for region in regions:
         kept -= {n for i in region for n in prog.ops[i].output_names()} - outside
@@ -411,7 +430,7 @@ def saved_activations(plan: Plan, recompute: str = "none", only: Collection[str]
         label = layer_of[n]
         per_layer[label] = per_layer.get(label, 0) + b
         tensors.setdefault(label, []).append((n, b))
-    layers = [prog.ops[r[0]].layer for r in regions] if recompute_layers(recompute) else []
+    layers = [prog.ops[r[0]].layer for r in regions] if recompute_layers(recompute) or recompute_every(recompute) else []
     return ActivationMemory(recompute, per_layer, tensors, regions, regathered, layers)
 
 
@@ -943,7 +962,7 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
 
 
 __all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_PARALLEL_BYTES", "LOSS_RULES", "loss_bytes", "MICROBATCH", "loss_spans",
-           "per_microbatch_mode", "recompute_layers", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
+           "per_microbatch_mode", "recompute_every", "recompute_layers", "whole_layers", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
            "FOR_GRAD_ONLY", "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas",
            "check_recompute", "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel",
            "makes_no_copy", "memory_per_device",

@@ -55,7 +55,7 @@ from spmdkit.cost.memory import (
 from spmdkit.cost.step import estimate_step
 from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.outputs.report import fmt_bytes, fmt_time, placements, reshard_groups
-from spmdkit.planner.pipeline import op_stages
+from spmdkit.planner.pipeline import op_stages, stage_layers
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import Layers, program_layers
 from spmdkit.program.plan import Plan
@@ -627,12 +627,15 @@ def pipeline_rank_curve(plan: Plan, pipe: Any, recompute: str) -> tuple[int, lis
     """The fullest pipeline rank of ``pipe`` (by what its device holds), and the activations
     live over its ops (op indices, bytes): one microbatch through its stages plus the other
     microbatches it holds in flight, so that the curve's peak is its
-    :attr:`spmdkit.cost.memory.Memory.activation_peak`."""
+    :attr:`spmdkit.cost.memory.Memory.activation_peak`. ``recompute``: the pipeline's mode
+    (``full:K`` / ``every:N``: full's regions of the layers it recomputes on each stage,
+    :func:`spmdkit.planner.pipeline.stage_layers`, as the pipeline's memory counts them)."""
     p, v = pipe.spec.pp, pipe.spec.virtual
     r = max(range(p), key=lambda k: pipe.memory[k].device_total)
     stages = op_stages(plan.program, pipe.counts)
     mine = {c * p + r for c in range(v)}
-    deltas = activation_deltas(plan, saved_activations(plan, recompute), stages, p * v)
+    only = stage_layers(plan.program, pipe.counts, recompute, p)
+    deltas = activation_deltas(plan, saved_activations(plan, per_microbatch_mode(recompute), only), stages, p * v)
     idx = [i for i, s in enumerate(stages) if s in mine]
     cur, curve = 0, []
     for i in idx:
@@ -839,8 +842,9 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
     program, compared in the search section; ``command``: the command line that made the page
     (shown with spmdkit's version at its foot)."""
     prog = plan.program
+    given = recompute  # a pipeline's memory curve: the layers full:K / every:N recompute on each stage
     if pipeline is not None or recompute == MICROBATCH:  # a pipeline's modes: those of its microbatches
-        recompute = per_microbatch_mode(recompute)  # (without one, full:K: the model's first K layers)
+        recompute = per_microbatch_mode(recompute)  # (without one, full:K / every:N: the model's own layers)
     mem = memory or memory_per_device(plan, recompute)
     assumed = None
     est = estimate
@@ -878,7 +882,8 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
     body = [f"<h1>{_e(title or prog.name)}</h1><nav>{nav}</nav>",
             '<div class="summary">' + "".join(f"<div>{_e(k)}<b>{_e(v)}</b></div>" for k, v in summary) + "</div>",
             _mesh_section(mesh, per_node), _step_section(plan, est, assumed, pipeline),
-            _memory_section(plan, mem, recompute, cap, pipeline), _layers_section(plan, mem),
+            _memory_section(plan, mem, given if pipeline is not None else recompute, cap, pipeline),
+            _layers_section(plan, mem),
             _auto_section(auto, alternatives, plan), _reshard_section(plan), _sharding_section(plan)]
     meta = json.dumps({"program": prog.name, "mesh": list(mesh.shape), "dim_names": list(mesh.dim_names)})
     return ('<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'

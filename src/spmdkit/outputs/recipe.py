@@ -22,7 +22,11 @@ Recomputation ``full:K`` (the first K layers of each pipeline stage, the search'
 fits: :mod:`spmdkit.planner.search_blocks`) is Megatron-LM's ``--recompute-granularity full
 --recompute-method block --recompute-num-layers K``; torchtitan's ``[activation_checkpoint]``
 has no count of layers per stage, so it is written as ``mode = "full"`` (every layer: it holds
-less and runs slower than predicted) with a warning (:func:`recipe_warning`).
+less and runs slower than predicted) with a warning (:func:`recipe_warning`). ``every:N`` (every
+N-th block of each pipeline rank) is torchtitan's ``mode = "selective"``, ``selective_ac_option =
+"N"`` (9dec370 ``torchtitan/config_manager.py``, to 114151ad4, which removed it); Megatron-LM has
+no such method (``--recompute-method uniform|block``), so its arguments say full recomputation
+(``--recompute-method uniform --recompute-num-layers 1``: less memory, a slower step) with a warning.
 Standard library only.
 """
 
@@ -32,7 +36,7 @@ import json
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.cost.memory import recompute_layers
+from spmdkit.cost.memory import recompute_every, recompute_layers
 from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.planner.search import Candidate
 from spmdkit.strategies.strategy import zero_stage
@@ -62,6 +66,7 @@ def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -
             "expert_parallel": cf.ep * (cf.tp if etp1 else 1), "expert_tensor_parallel": 1 if etp1 else cf.tp,
             "sequence_parallel": "sp" in parts, "zero": _zero(cf.strategy), "strategy": cf.strategy,
             "recompute": cf.recompute, "recompute_num_layers": recompute_layers(cf.recompute),
+            **({"recompute_every": n} if (n := recompute_every(cf.recompute)) is not None else {}),
             "global_batch": global_batch, "micro_batch": micro, "seq": seq,
             "layers": layers, "microbatches": cf.microbatches if cf.pp > 1 else None,
             "grad_accum": cf.grad_accum if cf.pp == 1 else None,
@@ -77,6 +82,18 @@ def _toml(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     return json.dumps(str(v))
+
+
+def _torchtitan_ac(r: dict[str, Any]) -> dict[str, Any]:
+    """torchtitan's ``[activation_checkpoint]`` for the recipe's recomputation: ``full:K`` has no
+    torchtitan form (no count of layers per stage): every layer (:func:`recipe_warning`);
+    ``every:N`` is the layer-frequency option (torchtitan 9dec370 ``_apply_ac_to_transformer_block``:
+    ``selective_ac_option.isdigit()``), ``selective`` the op-level one."""
+    if r.get("recompute_num_layers"):
+        return {"mode": "full"}
+    if r.get("recompute_every"):
+        return {"mode": "selective", "selective_ac_option": str(r["recompute_every"])}
+    return {"mode": r["recompute"], **({"selective_ac_option": "op"} if r["recompute"] == "selective" else {})}
 
 
 def torchtitan_toml(r: dict[str, Any]) -> str:
@@ -96,10 +113,7 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
                         "pipeline_parallel_degree": r["pp"], "expert_parallel_degree": r["expert_parallel"],
                         **({"expert_tensor_parallel_degree": 1} if r["expert_tensor_parallel"] == 1 < r["tp"]
                            and r["ep"] > 1 else {})},
-        # full:K has no torchtitan form (no count of layers per stage): every layer (recipe_warning)
-        "activation_checkpoint": {"mode": "full" if r.get("recompute_num_layers") else r["recompute"],
-                                  **({"selective_ac_option": "op"}
-                                                            if r["recompute"] == "selective" else {})},
+        "activation_checkpoint": _torchtitan_ac(r),
     }
     if r["pp"] > 1:
         # Interleaved1F1B: torchtitan's looped schedules hold 2 stages a rank unless told otherwise
@@ -137,6 +151,8 @@ def megatron_args(r: dict[str, Any]) -> str:
     elif r.get("recompute_num_layers"):  # full:K: the first K layers of each stage (of each model chunk)
         args += ["--recompute-granularity full", "--recompute-method block",
                  f"--recompute-num-layers {r['recompute_num_layers']}"]
+    elif r.get("recompute_every"):  # every:N has no Megatron-LM form: every layer (recipe_warning)
+        args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
     return " \\\n".join(args) + "\n"
 
 
@@ -148,6 +164,12 @@ def recipe_warning(kind: str, r: dict[str, Any]) -> str | None:
                 f"of each pipeline stage) has no [activation_checkpoint] option (its mode has no count of layers); "
                 f"written as mode = \"full\" (every layer: less memory, a slower step than the "
                 f"{r['predicted']['step_s']:.4g} s predicted)")
+    n = r.get("recompute_every")
+    if kind == "megatron" and n:
+        return (f"--export-recipe megatron: recompute {r['recompute']} (torchtitan's checkpoint of blocks {n}, {2 * n}, ... of "
+                f"each pipeline rank) has no Megatron-LM form (--recompute-method is uniform or block); written as --recompute-granularity "
+                f"full --recompute-method uniform --recompute-num-layers 1 (every layer: less memory, a slower step "
+                f"than the {r['predicted']['step_s']:.4g} s predicted)")
     return None
 
 

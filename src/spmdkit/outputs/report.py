@@ -125,6 +125,18 @@ def reshard_groups(plan: Plan) -> list[dict[str, Any]]:
     return out
 
 
+def _recomputed_layers(mode: str, layers: Sequence[str]) -> str:
+    """The layers a ``full:K`` (the first K: ``layer 0 to layer 4``) or ``every:N`` (every N-th,
+    named one by one, ``layer 1, layer 3``, the first 4 of more than 5) recomputes; "" for none."""
+    if not layers:
+        return ""
+    if not mode.startswith("every:"):
+        return layers[0] + (f" to {layers[-1]}" if len(layers) > 1 else "")
+    if len(layers) <= 5:
+        return ", ".join(layers)
+    return f"{', '.join(layers[:4])} ... {layers[-1]}, {len(layers)} layers"
+
+
 def memory_rows(mem: Memory, peak_op: str) -> list[list[str]]:
     """The memory table's rows: what is held for the step, the activation peak, what the backward
     keeps, PyTorch's allocated and reserved peaks, and what the GPU holds besides."""
@@ -134,7 +146,7 @@ def memory_rows(mem: Memory, peak_op: str) -> list[list[str]]:
     saved = getattr(mem, "saved", None)
     if saved is not None and saved.per_layer:
         per = [b for k, b in saved.per_layer.items() if re.search(r"\d", k)]
-        which = saved.layers[0] + (f" to {saved.layers[-1]}" if len(saved.layers) > 1 else "") if saved.layers else ""
+        which = _recomputed_layers(saved.recompute, saved.layers)
         rows.append([f"kept for the backward (recompute {saved.recompute}" + (f": {which} recomputed)" if which else ")"),
                      fmt_bytes(saved.total) + (f"; {'' if min(per) == max(per) else 'up to '}"
                                                f"{fmt_bytes(max(per))} per layer" if per else "")])

@@ -30,7 +30,6 @@ from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import (
     activation_deltas,
     per_microbatch_mode,
-    recompute_layers,
     saved_activations,
     with_overheads,
 )
@@ -40,12 +39,12 @@ from spmdkit.planner.pipeline import (
     ScheduleRun,
     StageCost,
     balanced_split,
-    block_layers,
     exchanger,
     op_stages,
     op_units,
     reduce_gradients,
     run_schedule,
+    stage_layers,
 )
 from spmdkit.planner.stage_costs import Grad, single_bucket_ranks
 from spmdkit.program.layers import layer_tags
@@ -402,9 +401,9 @@ def pipeline_memory(fold: Fold, est_a: PipelineEstimate, plan_b: Plan, est_b: Pi
     layers' stash at many); None where copy b's own memory is not reproduced."""
     if est_b.spec.virtual != 1:
         return None
-    k = recompute_layers(recompute)  # full:K: the first K layers of each stage (those of the copy's)
+    # full:K: the first K layers of each stage (those of the copy's); every:N: every N-th of each
     saved = saved_activations(plan_b, per_microbatch_mode(recompute),
-                              block_layers(plan_b.program, est_b.counts, k) if k else None)
+                              stage_layers(plan_b.program, est_b.counts, recompute, est_b.spec.pp))
     stages = op_stages(plan_b.program, est_b.counts)
     deltas = activation_deltas(plan_b, saved, stages, len(est_b.counts))
     unit, _n = op_units(plan_b.program)

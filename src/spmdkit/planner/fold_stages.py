@@ -25,10 +25,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import MICROBATCH, per_microbatch_mode, recompute_layers
+from spmdkit.cost.memory import MICROBATCH, per_microbatch_mode, recompute_every
 from spmdkit.cost.step import op_communication
 from spmdkit.planner.partition import UnitCosts
-from spmdkit.planner.pipeline import PipelineEstimate, PipelineSpec, block_layers, estimate_pipeline, op_stages
+from spmdkit.planner.pipeline import PipelineEstimate, PipelineSpec, estimate_pipeline, op_stages, stage_layers
 from spmdkit.planner.stage_costs import stage_costs
 from spmdkit.program.plan import Plan
 
@@ -94,14 +94,14 @@ def deep_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], devic
     model FLOPs of the full model; ``dense``: its first layers of another kind. None where not
     folded so (microbatch-level recomputation needs the whole pipeline's stages)."""
     got = stage_copy(counts, dense)
-    if got is None or recompute == MICROBATCH:
+    # every:N with virtual stages: a rank's count of blocks runs on over its chunks, which the copy's do not
+    if got is None or recompute == MICROBATCH or (recompute_every(recompute) is not None and spec.virtual > 1):
         return None
     copy, where = got
     device = device.lockstep(ranks)  # the full pipeline's GPUs, not the copy's: the slowest sets the pace
     oc = op_communication(plan, device)  # once for every recomputation mode of the copy
-    k = recompute_layers(recompute)
     cs = stage_costs(plan, op_stages(plan.program, copy), copy, device, per_microbatch_mode(recompute), oc,
-                     block_layers(plan.program, copy, k) if k else None)
+                     stage_layers(plan.program, copy, recompute, len(copy)))  # (each copy stage a rank's one chunk)
     costs = [cs[w] for w in where]
     return estimate_pipeline(plan, spec, counts, device, pp_link, tokens, ranks, recompute=recompute,
                              costs=costs, flops=flops)

@@ -56,6 +56,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import Step
 from spmdkit.cost.band import error_band
+from spmdkit.cost.checkpoints import every_blocks
 from spmdkit.cost.collectives import Fabric, Group, collective_time
 from spmdkit.cost.compute import guess_tokens, model_flops, op_cost
 from spmdkit.cost.context import cp_ops
@@ -66,6 +67,7 @@ from spmdkit.cost.memory import (
     Memory,
     loss_spans,
     per_microbatch_mode,
+    recompute_every,
     recompute_layers,
     with_overheads,
 )
@@ -444,9 +446,8 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
             counts = split_layers(units[1], spec, balance=lambda n: auto_counts(plan, n, times, units))
             note = split_note(counts, units[1], spec, times is not None)
         stages = op_stages(plan.program, counts)
-        k = recompute_layers(recompute)
         costs = stage_costs(plan, stages, counts, device, per_microbatch_mode(recompute), oc,
-                            block_layers(plan.program, counts, k) if k else None)
+                            stage_layers(plan.program, counts, recompute, p))
     elif counts is None or recompute == MICROBATCH:
         raise ValueError("estimate_pipeline: given costs need their counts, and not microbatch recomputation")
     n = p * v
@@ -523,17 +524,50 @@ def block_layers(prog: Program, counts: tuple[int, ...], k: int) -> frozenset[st
     return frozenset(out)
 
 
+def every_layers(prog: Program, counts: tuple[int, ...], n: int, p: int) -> frozenset[str]:
+    """The layer labels ``every:N`` recomputes: on each of the ``p`` pipeline ranks, every N-th
+    block of its virtual stages ``r, r + p, ...`` counted on from one stage to the next, as
+    torchtitan builds a rank's model chunks (``stage_ids_this_rank(style="loop")``) and counts
+    the blocks it wraps in one counter a process (:func:`spmdkit.cost.checkpoints.every_blocks`).
+    A ProgramError naming ``--recompute`` where no rank holds N blocks (none is checkpointed)."""
+    tags = layer_tags(prog)
+    start = [sum(counts[:k]) for k in range(len(counts))]
+    out: list[str] = []
+    for r in range(p):
+        mine = list(range(r, len(counts), p))
+        for k, picked in zip(mine, every_blocks([counts[k] for k in mine], n)):
+            out += [tags[start[k] + i] for i in picked]
+    if not out:
+        most = max(sum(counts[r::p]) for r in range(p))
+        raise ProgramError(f"--recompute every:{n}: torchtitan counts the blocks of each pipeline rank and "
+                           f"checkpoints its blocks {n}, {2 * n}, ...; no rank holds {n} (the most: {most}), so none "
+                           f"would be (give N from 1 to {most}, or none)")
+    return frozenset(out)
+
+
+def stage_layers(prog: Program, counts: tuple[int, ...], mode: str, p: int) -> frozenset[str] | None:
+    """The layer labels whose regions ``mode`` recomputes on a pipeline of ``p`` ranks split
+    ``counts`` layers a virtual stage (``full:K``: :func:`block_layers`; ``every:N``:
+    :func:`every_layers`), None for a mode that recomputes in every layer."""
+    k = recompute_layers(mode)
+    if k is not None:
+        return block_layers(prog, counts, k)
+    n = recompute_every(mode)
+    return every_layers(prog, counts, n, p) if n is not None else None
+
+
 def plan_unit_costs(plan: Plan, p: int, device: Device | None = None, recompute: str = "none",
                     pp_link: tuple[float, float] = (20e-6, 1 / 25e9), oc: OpComm | None = None) -> UnitCosts:
     """The per-unit costs :func:`spmdkit.planner.partition.partition` splits (the embedding,
     each layer, the head and the loss; one microbatch of ``plan`` on ``device``, else FLOPs
     for times): :func:`stage_costs` with one stage per unit. Activation bytes carry the
-    caching allocator's reserve; ``full:K`` is costed without recomputation (which layers it
-    recomputes depends on the split)."""
+    caching allocator's reserve; ``full:K`` and ``every:N`` are costed without recomputation
+    (which layers they recompute depends on the split)."""
     unit, n_layers = op_units(plan.program)
     stages = [u + 1 for u in unit]
     counts = (0,) + (1,) * n_layers + (0,)
-    mode = "none" if recompute_layers(recompute) else per_microbatch_mode(recompute)
+    split = recompute_layers(recompute) or recompute_every(recompute)
+    mode = "none" if split else per_microbatch_mode(recompute)
     if device is not None:  # a stage of p: the pipeline's GPUs step together
         device = device.lockstep(plan.mesh.size * p)
     if device is not None and oc is None:
@@ -941,7 +975,7 @@ def pp_cost_text(cost_text: str | None, mesh: ProcessMesh | None) -> str | None:
     return ",".join(parts) or None
 
 
-__all__ = ["block_layers", "plan_unit_costs", "stages_auto", "SCHEDULES", "PipelineEstimate", "PipelinePlan", "PipelineSpec", "ScheduleRun", "StageCost", "auto_counts",
+__all__ = ["block_layers", "every_layers", "stage_layers", "plan_unit_costs", "stages_auto", "SCHEDULES", "PipelineEstimate", "PipelinePlan", "PipelineSpec", "ScheduleRun", "StageCost", "auto_counts",
            "balanced_split", "bubble_formula", "estimate_pipeline", "even_split", "in_flight", "op_stages",
            "op_units", "parse_spec", "plan_pipeline", "plan_pipeline_source", "pp_cost_text", "reduce_gradients",
            "run_schedule", "schedule_order", "split_layers", "split_note", "stage_costs", "sub_mesh_text"]

@@ -343,6 +343,10 @@ def _search_args(devices: int, device: Device | str, memory_cap: int | str | Non
     cap = dev.memory_bytes if memory_cap is None else parse_memory(memory_cap)
     modes = list(dict.fromkeys(recompute or RECOMPUTE_MODES))
     for rc in modes:
+        if isinstance(rc, str) and rc.startswith("every:"):  # (priced by plan --mesh, not searched: docs/devices.md)
+            raise ProgramError(f"--recompute {rc[:40]}: the search tries {', '.join(RECOMPUTE_MODES)} (each "
+                               f"configuration priced once a mode), not every N-th layer; price it for one "
+                               f"configuration with spmdkit plan --mesh ... --recompute {rc[:40]}")
         if rc not in RECOMPUTE_MODES:
             raise ProgramError(f"--recompute {rc!r}: one of {', '.join(RECOMPUTE_MODES)}")
     given = None
