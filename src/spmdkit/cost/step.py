@@ -35,6 +35,7 @@ from spmdkit.cost.context import RingCost, causal_imbalance, cp_ops, regathers, 
 from spmdkit.cost.context_shared import shared_gather_costs
 from spmdkit.cost.context_torch import TorchCpCost, torch_cp_costs, torch_cp_ops
 from spmdkit.cost.devices import Device
+from spmdkit.cost.float8_tp import float8_gather_s, float8_step
 from spmdkit.cost.memory import rerun_points, saved_activations
 from spmdkit.cost.moe import expert_all_to_all, expert_tensors, moe_layers, plan_loads
 from spmdkit.engine.facts import OpCost
@@ -494,6 +495,7 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
         for s in r.plan.steps:
             if s.bytes_per_rank == 0:
                 continue
+            s = float8_step(plan, r.tensor, s)  # torchao's float8 TP: gathered in float8
             if s.kind == "all_to_all" and moe_a2a:
                 # MoE: the busiest ep rank's tokens, by the dispatcher (spmdkit.cost.moe.expert_all_to_all)
                 s = replace(s, time_s=expert_all_to_all(plan, r.tensor, s))
@@ -632,7 +634,7 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
     for at, ks in regather.items():
         secs = 0.0
         for ix in ks:
-            t_ = plan.reshards[ix].plan.time_s
+            t_ = float8_gather_s(plan, ix)
             out.regathers += 1
             comm.by_phase["backward"] += t_
             secs += t_
