@@ -13,7 +13,7 @@ import pytest
 from spmdkit.cost import step as st
 from spmdkit.cost.collectives import time_of
 from spmdkit.cost.devices import DEVICES, cost_model, recost
-from spmdkit.cost.float8_tp import float8_gather_s, float8_step, float8_tp_gathers
+from spmdkit.cost.float8_tp import AMAX_BYTES, amax_all_reduces, float8_gather_s, float8_step, float8_tp_gathers
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.plan import Plan
 from spmdkit.program.runtime import Runtime
@@ -68,9 +68,30 @@ def test_the_step_waits_on_the_float8_all_gathers() -> None:
     plan = _plan(FP8)
     bf16 = time_of(plan.cost, "all_gather", (0,), SEQ * HIDDEN * 2, plan.mesh.shape)
     f8 = time_of(plan.cost, "all_gather", (0,), SEQ * HIDDEN, plan.mesh.shape)
-    for k in ("forward:layers.0.attn_norm.out", "forward:layers.0.mlp_norm.out",
-              "backward:grad of layers.0.resid1", "backward:grad of layers.0.resid2"):
+    amax = time_of(plan.cost, "all_reduce", (0,), 4, plan.mesh.shape)
+    for k in ("forward:layers.0.attn_norm.out", "forward:layers.0.mlp_norm.out"):  # the cast's amax, then the gather
+        assert te[k] == pytest.approx(bf16) and ao[k] == pytest.approx(f8 + amax)
+    for k in ("backward:grad of layers.0.resid1", "backward:grad of layers.0.resid2"):  # cast at the GEMM's grad
         assert te[k] == pytest.approx(bf16) and ao[k] == pytest.approx(f8)
     # the final norm's gather for the bf16 head, and the backward's reduce-scatters: as under bf16
     for k in ("forward:final_norm.out", "backward:grad of layers.0.attn_norm.out"):
         assert ao[k] == pytest.approx(te[k]) and ao[k] > 0
+    # each float8 GEMM's grad waits on its output gradient's amax all-reduce (no collective there before)
+    for k in ("backward:grad of layers.0.q", "backward:grad of layers.0.mlp_out"):
+        assert k not in te and ao[k] == pytest.approx(amax)
+
+
+def test_one_amax_all_reduce_a_sharded_cast() -> None:
+    plan = _plan(FP8)
+    got = amax_all_reduces(plan)
+    name = {i: f"{plan.program.ops[i].phase}:{plan.program.ops[i].name}" for i in got}
+    # forward: the two block inputs cast before their gathers (once each, not once per q / k / v), wo's
+    # and w2's inputs cast on their shards; backward: each of the 7 linears' output gradient
+    assert sorted(name.values()) == sorted(
+        ["forward:layers.0.attn_norm.out", "forward:layers.0.mlp_norm.out", "forward:layers.0.attn_out",
+         "forward:layers.0.mlp_out"] + [f"backward:grad of layers.0.{n}" for n in ("q", "k", "v", "attn_out", "gate",
+                                                                                    "up", "mlp_out")])
+    one = time_of(plan.cost, "all_reduce", (0,), AMAX_BYTES, plan.mesh.shape)  # one fp32 scalar over tp = 4
+    assert AMAX_BYTES == 4 and all(t == pytest.approx(one) for t in got.values())
+    assert amax_all_reduces(_plan(Runtime(framework="torchtitan"))) == {}
+    assert amax_all_reduces(_plan(Runtime(framework="megatron", precision="fp8"))) == {}

@@ -91,10 +91,55 @@ def float8_step(plan: Plan, tensor: str, s: Step) -> Step:
                    time_s=time_of(plan.cost, s.kind, s.mesh_dims, buf, plan.mesh.shape))
 
 
+#: bytes of a tensorwise amax all-reduced over tp (``tensor_to_amax`` of a DTensor: one fp32 scalar)
+AMAX_BYTES = 4.0
+
+_AMAX_MEMO: Recent[tuple[Plan, dict[int, float]]] = Recent(16)
+
+
+def amax_all_reduces(plan: Plan) -> dict[int, float]:
+    """Op -> seconds of the amax all-reduces torchao's float8 TP runs there: each cast of a sharded
+    DTensor takes ``torch.max(torch.abs(x))`` (``tensor_to_amax``), a ``Partial(max)`` scalar that
+    ``amax_to_scale``'s clamp needs replicated, one all-reduce of :data:`AMAX_BYTES` over tp: at the
+    op that makes a :func:`float8_tp_gathers` block input (its cast before the gather, once for its
+    readers), at each other forward float8 GEMM (its input cast on its shard: wo, w2), and at each
+    float8 GEMM's grad (its output gradient's ``NoopFwToFloat8BwDynamic`` cast). Empty where
+    torchao's float8 TP does not run (:func:`float8_tp_gathers` empty)."""
+    if not float8_tp_gathers(plan):
+        return {}
+    return _AMAX_MEMO.get(id(plan), lambda: (plan, _amax(plan)))[1]
+
+
+def _amax(plan: Plan) -> dict[int, float]:
+    prog = plan.program
+    gathers = float8_tp_gathers(plan)
+    dims: tuple[int, ...] = ()
+    at: dict[str, int] = {}
+    for r in plan.reshards:
+        if r.tensor in gathers and prog.ops[r.op_index].phase == "forward":
+            at.setdefault(r.tensor, r.op_index)
+            dims = dims or next(s.mesh_dims for s in r.plan.steps if s.kind == "all_gather" and s.bytes_per_rank)
+    if not dims:  # only backward gathers: the tp dims of those
+        dims = next(s.mesh_dims for r in plan.reshards if r.tensor in gathers
+                    for s in r.plan.steps if s.kind == "all_gather" and s.bytes_per_rank)
+    t = time_of(plan.cost, "all_reduce", dims, AMAX_BYTES, plan.mesh.shape)
+    weights = fp8_weights(prog)
+    out: dict[int, float] = {}
+    for i, op in enumerate(prog.ops):
+        if op.phase not in _ROLES or _canonical(op.rule) not in FP8_GEMMS \
+                or _operand(prog, op, ("y", "weight"), "parameter") not in weights:
+            continue
+        x = _operand(prog, op, ("x", "input"), None) if op.phase == "forward" else None
+        j = at.pop(x, -1) if x in at else (-1 if x in gathers else i)  # a gathered input: once, at its cast
+        if j >= 0:
+            out[j] = out.get(j, 0.0) + t
+    return out
+
+
 def float8_gather_s(plan: Plan, index: int) -> float:
     """Seconds of reshard ``index`` (all its steps), its float8 all-gathers at 1 byte an element."""
     r = plan.reshards[index]
     return sum(float8_step(plan, r.tensor, s).time_s for s in r.plan.steps)
 
 
-__all__ = ["float8_gather_s", "float8_step", "float8_tp_gathers"]
+__all__ = ["AMAX_BYTES", "amax_all_reduces", "float8_gather_s", "float8_step", "float8_tp_gathers"]

@@ -35,7 +35,7 @@ from spmdkit.cost.context import RingCost, causal_imbalance, cp_ops, regathers, 
 from spmdkit.cost.context_shared import shared_gather_costs
 from spmdkit.cost.context_torch import TorchCpCost, torch_cp_costs, torch_cp_ops
 from spmdkit.cost.devices import Device
-from spmdkit.cost.float8_tp import float8_gather_s, float8_step
+from spmdkit.cost.float8_tp import amax_all_reduces, float8_gather_s, float8_step
 from spmdkit.cost.memory import rerun_points, saved_activations
 from spmdkit.cost.moe import expert_all_to_all, expert_tensors, moe_layers, plan_loads
 from spmdkit.engine.facts import OpCost
@@ -550,6 +550,9 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
                 out.blocking[i] = out.blocking.get(i, 0.0) + s.time_s
                 if s.kind == "all_to_all" and r.tensor in experts:
                     out.ep_a2a[i] = out.ep_a2a.get(i, 0.0) + s.time_s
+    for i, t_ in amax_all_reduces(plan).items():  # torchao's float8 TP: each sharded cast's amax over tp
+        out.blocking[i] = out.blocking.get(i, 0.0) + t_
+        out.by_phase[prog.ops[i].phase] += t_
     for g, per in gathers.items():
         out.prefetch[g] = (_gather_s(plan, per), out.prefetch[g][1])
     out.gathers = gathers
