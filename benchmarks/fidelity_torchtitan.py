@@ -9,8 +9,9 @@ on 8 H100s (bf16 / tensorwise / rowwise, TPS and memory). None of it is in ``ban
 The rows are planned as the ``torchtitan_202412`` rows of the published set are (``--framework
 torchtitan``, the 96GB device file of Grand Teton at 500 W, ``--compile``, torchtitan's op-level SAC
 as ``--recompute selective``, ``--tp-comm-overlap`` for async TP, ``--precision fp8`` for torchao's
-float8 tensorwise linears). One torchao float8 feature is not modelled, and a row that ran it is
-counted unsupported by that feature (:func:`float8_unsupported`):
+float8 tensorwise linears; with a tp dimension their TP all-gathers in float8 as torchao's float8 TP
+runs them: ``spmdkit.cost.float8_tp``). One torchao float8 feature is not modelled, and a row that
+ran it is counted unsupported by that feature (:func:`float8_unsupported`):
 
 - rowwise scaling (torchtitan ``--float8.recipe_name rowwise``; torchtitan
   ``torchtitan/components/quantization/float8.py`` at 820504e: ``Float8LinearConfig.from_recipe_name``):

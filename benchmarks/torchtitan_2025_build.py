@@ -245,8 +245,12 @@ for r in rows:
     if "202506" in rid:
         a.append(LOSS.format(c="820504e" if "asynctp" in rid else "e7c0cae"))
     if "tensorwise" in r["precision"] and par["tp"] > 1:
-        a.append("torchao's float8 TP (Float8ColwiseParallel / PrepareFloat8ModuleInput: the input cast to float8 before "
-                 "its all-gather) not modelled: the TP all-gathers in bf16, as the torchtitan_202412 rows")
+        a.append("torchao's float8 TP modelled (spmdkit.cost.float8_tp; torchao float8_tensor_parallel.py at 6243040): "
+                 "PrepareFloat8ModuleInput casts each block input to float8 before its TP all-gather and "
+                 "Float8RowwiseParallel the output gradient to e5m2 on its shard before the backward's, so those four "
+                 "all-gathers a block move 1 byte an element, each sharded cast's amax all-reduced over tp (one fp32 "
+                 "scalar, 11 a block); not modelled: those casts priced as Transformer Engine's (4 B a gathered "
+                 "element, none after a norm) rather than on the shard")
     if "float8" in r["precision"] and r["recompute"] == "selective":
         a.append("per op SAC under float8 linears planned as under bf16 (every other linear's output saved): torchao's "
                  "Float8Linear calls torch.mm on Float8Tensors (float8_linear at 6243040), which float8_ops "

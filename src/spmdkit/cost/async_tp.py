@@ -13,10 +13,11 @@ What the sources show (torch 2.6 of December 2024, the torchtitan runs' nightly)
   the gate and up projections, is not fused). The pass runs on the graphs torch.compile makes:
   torchtitan compiles each transformer block (``apply_compile``), not the embedding, the final
   norm, the output head or the loss, whose collectives stay NCCL's. Under float8 (torchao's
-  ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``) the forward's input is cast before its
-  all-gather and its GEMMs are ``_scaled_mm`` (fused as ``fused_all_gather_scaled_matmul`` /
-  ``fused_scaled_matmul_reduce_scatter``), but the backward's all-gathered output gradient
-  feeds its e5m2 cast, not a matmul: that all-gather stays NCCL's.
+  ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``) the forward's input, and the backward's
+  output gradient (``NoopFwToFloat8BwDynamic`` after the output's ``redistribute``), are cast
+  before their all-gathers (:mod:`spmdkit.cost.float8_tp`) and the gathered float8 tensors feed
+  ``_scaled_mm`` GEMMs: fused alike (``fused_all_gather_scaled_matmul`` /
+  ``fused_scaled_matmul_reduce_scatter``).
 - How a fused op runs (``torch/distributed/_symmetric_memory/__init__.py``):
   ``_pipelined_all_gather_and_consume`` consumes the local shard first while it is copied to the
   rank's symmetric buffer, then pulls one peer's shard at a time (a copy, no SMs) and runs its
@@ -130,9 +131,10 @@ def fused_window(plan: Plan, costs: list[OpCost], times: list[float], device: De
             role = next((k for k, v in op.inputs.items() if v == tensor), "")
             if op.phase == "forward" and role in ("x", "input"):
                 ix: list[int] = list(range(len(costs[j].gemms))) or [0]
-            elif role == "out_grad" and costs[j].gemms and not costs[j].fp8:
+            elif role == "out_grad" and costs[j].gemms:
                 # the input gradient dY W^T: dY its left operand (dW = X^T dY is not fused); under
-                # torchao's float8 the gathered dY goes to its e5m2 cast, not to a matmul: not fused
+                # torchao's float8 dY is cast to e5m2 on its shard before the gather
+                # (spmdkit.cost.float8_tp), and the gathered float8 dY feeds the _scaled_mm as is
                 ix = [0]
             else:
                 continue

@@ -35,6 +35,7 @@ from spmdkit.cost.context import RingCost, causal_imbalance, cp_ops, regathers, 
 from spmdkit.cost.context_shared import shared_gather_costs
 from spmdkit.cost.context_torch import TorchCpCost, torch_cp_costs, torch_cp_ops
 from spmdkit.cost.devices import Device
+from spmdkit.cost.float8_tp import amax_all_reduces, float8_gather_s, float8_step
 from spmdkit.cost.memory import rerun_points, saved_activations
 from spmdkit.cost.moe import expert_all_to_all, expert_tensors, moe_layers, plan_loads
 from spmdkit.engine.facts import OpCost
@@ -494,6 +495,7 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
         for s in r.plan.steps:
             if s.bytes_per_rank == 0:
                 continue
+            s = float8_step(plan, r.tensor, s)  # torchao's float8 TP: gathered in float8
             if s.kind == "all_to_all" and moe_a2a:
                 # MoE: the busiest ep rank's tokens, by the dispatcher (spmdkit.cost.moe.expert_all_to_all)
                 s = replace(s, time_s=expert_all_to_all(plan, r.tensor, s))
@@ -548,6 +550,9 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
                 out.blocking[i] = out.blocking.get(i, 0.0) + s.time_s
                 if s.kind == "all_to_all" and r.tensor in experts:
                     out.ep_a2a[i] = out.ep_a2a.get(i, 0.0) + s.time_s
+    for i, t_ in amax_all_reduces(plan).items():  # torchao's float8 TP: each sharded cast's amax over tp
+        out.blocking[i] = out.blocking.get(i, 0.0) + t_
+        out.by_phase[prog.ops[i].phase] += t_
     for g, per in gathers.items():
         out.prefetch[g] = (_gather_s(plan, per), out.prefetch[g][1])
     out.gathers = gathers
@@ -632,7 +637,7 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
     for at, ks in regather.items():
         secs = 0.0
         for ix in ks:
-            t_ = plan.reshards[ix].plan.time_s
+            t_ = float8_gather_s(plan, ix)
             out.regathers += 1
             comm.by_phase["backward"] += t_
             secs += t_
