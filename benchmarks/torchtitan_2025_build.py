@@ -245,7 +245,7 @@ for r in rows:
     if "202506" in rid:
         a.append(LOSS.format(c="820504e" if "asynctp" in rid else "e7c0cae"))
     if "tensorwise" in r["precision"] and par["tp"] > 1:
-        a.append("torchao's float8 TP modelled (spmdkit.cost.float8_tp; torchao float8_tensor_parallel.py at 6243040): "
+        a.append("torchao's float8 TP modelled (spmdkit.cost.float8_tp; torchao.float8.float8_tensor_parallel at 6243040): "
                  "PrepareFloat8ModuleInput casts each block input to float8 before its TP all-gather and "
                  "Float8RowwiseParallel the output gradient to e5m2 on its shard before the backward's, so those four "
                  "all-gathers a block move 1 byte an element, each sharded cast's amax all-reduced over tp (one fp32 "

@@ -6,7 +6,7 @@ What the sources show. torchtitan's ``apply_tp`` (``torchtitan/parallelisms/para
 at 9dec370; ``torchtitan/models/llama3/parallelize_llama.py`` at 820504e, tensorwise recipe) gives
 every transformer block's linears torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``
 and the attention and feed-forward modules ``PrepareFloat8ModuleInput`` (input ``Shard(1)`` to
-``Replicate()``). In ``torchao/float8/float8_tensor_parallel.py`` (eab345c, the 2024-12 runs;
+``Replicate()``). In ``torchao.float8.float8_tensor_parallel`` (eab345c, the 2024-12 runs;
 6243040, the 2025-06 runs; the same logic):
 
 - forward: ``PrepareFloat8ModuleInput._prepare_input_arg`` casts the sequence-sharded input to
