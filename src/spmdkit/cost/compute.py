@@ -42,6 +42,7 @@ from spmdkit.cost.moe import active_share, expert_op_cost, sorted_by_expert
 from spmdkit.cost.optimizer_step import megatron_update_cost
 from spmdkit.cost.recompute_modules import NORMS
 from spmdkit.cost.shards import local_numel
+from spmdkit.cost.torchao_casts import gather_degree, torchao_cast_bytes
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
 from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, declared, facts_of
 from spmdkit.engine.memo import Recent, memo_enabled, memo_table
@@ -179,6 +180,11 @@ class Fp8Layers:
 
     weights: frozenset[str]
     casts_input: frozenset[int]
+    #: the first forward fp8 GEMM reading each distinct input, whoever made it (torchao casts after
+    #: a norm or SwiGLU too: :mod:`spmdkit.cost.torchao_casts`)
+    first_reads: frozenset[int] = frozenset()
+    #: the first fp8 GEMM grad reading each distinct input (its fp8 copy transposed for the wgrad)
+    first_grad_reads: frozenset[int] = frozenset()
 
 
 #: fp8_layers by program (id; the program kept in the value, so the id stays its own)
@@ -218,6 +224,12 @@ def _fp8_layers(prog: Program) -> Fp8Layers:
     weights = frozenset(w for _, w in ops if w != head)
     seen: set[str] = set()
     casts: set[int] = set()
+    grads: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
+        x = _operand(prog, op, _INPUT_PARAMS, None)
+        if op.phase == "backward" and x is not None and _canonical(op.rule) in FP8_GEMMS \
+                and _operand(prog, op, _WEIGHT_PARAMS, "parameter") in weights:
+            grads.setdefault(x, i)
     for i, w in ops:
         x = _operand(prog, prog.ops[i], _INPUT_PARAMS, None)
         if w not in weights or x is None or x in seen:
@@ -229,12 +241,63 @@ def _fp8_layers(prog: Program) -> Fp8Layers:
             src = producer.get(v) if v else None
         if src is None or _canonical(src.rule) not in FP8_FUSED_PRODUCERS:
             casts.add(i)
-    return Fp8Layers(weights, frozenset(casts))
+    return Fp8Layers(weights, frozenset(casts), frozenset(_first_readers(prog, ops, weights)),
+                     frozenset(grads.values()))
+
+
+def _first_readers(prog: Program, ops: list[tuple[int, str]], weights: frozenset[str]) -> set[int]:
+    seen: set[str] = set()
+    out: set[int] = set()
+    for i, w in ops:
+        x = _operand(prog, prog.ops[i], _INPUT_PARAMS, None)
+        if w in weights and x is not None and x not in seen:
+            seen.add(x)
+            out.add(i)
+    return out
 
 
 def fp8_weights(prog: Program) -> frozenset[str]:
     """The weights :func:`fp8_layers` runs in fp8."""
     return fp8_layers(prog).weights
+
+
+#: the roles of a float8 GEMM's operand that torchao casts before the TP all-gather, by phase
+_ROLES = {"forward": ("x", "input"), "backward": ("out_grad",)}
+
+_F8TP_MEMO: Recent[tuple[Plan, frozenset[str]]] = Recent(16)
+
+
+def float8_tp_gathers(plan: Plan) -> frozenset[str]:
+    """The activations and gradients whose all-gather moves float8 (1 byte an element) under
+    torchao's float8 TP: ``--precision fp8 --framework torchtitan``, gathered (an all-gather
+    step) where every reader of the same phase is a float8 linear's GEMM (:func:`fp8_weights`)
+    reading it as its input (forward) or output gradient (backward). Empty otherwise."""
+    rt = plan.runtime
+    if not (rt.fp8 and rt.framework == "torchtitan"):
+        return frozenset()
+    return _F8TP_MEMO.get(id(plan), lambda: (plan, _gathers(plan)))[1]
+
+
+def _gathers(plan: Plan) -> frozenset[str]:
+    prog = plan.program
+    weights = fp8_weights(prog)
+    readers: dict[str, list[int]] = {}
+    for j, op in enumerate(prog.ops):
+        for n in op.input_names():
+            readers.setdefault(n, []).append(j)
+    out: set[str] = set()
+    for r in plan.reshards:
+        t = prog.tensors[r.tensor]
+        phase = prog.ops[r.op_index].phase
+        if t.kind not in ("activation", "gradient") or phase not in _ROLES \
+                or not any(s.kind == "all_gather" and s.bytes_per_rank for s in r.plan.steps):
+            continue
+        same = [prog.ops[j] for j in readers.get(r.tensor, ()) if prog.ops[j].phase == phase]
+        if same and all(_canonical(op.rule) in FP8_GEMMS
+                        and _operand(prog, op, ("y", "weight"), "parameter") in weights
+                        and any(op.inputs.get(k) == r.tensor for k in _ROLES[phase]) for op in same):
+            out.add(r.tensor)
+    return frozenset(out)
 
 
 #: bytes a sharded weight element moves in torchao's ``fsdp_pre_all_gather`` with a precomputed
@@ -304,7 +367,10 @@ def _fp8(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     producer wrote it in fp8 or another GEMM cast it; the backward casts the output gradient (the
     inputs' fp8 copies are the forward's). A weight FSDP2 gathers in float8 (:func:`fp8_gathered`)
     is not cast in the GEMM: its shard is, before each gather (forward, and the backward's
-    re-gather: :data:`FP8_PRE_GATHER` a shard element)."""
+    re-gather: :data:`FP8_PRE_GATHER` a shard element). Under ``--framework torchtitan`` the casts
+    are torchao's instead (:mod:`spmdkit.cost.torchao_casts`: an amax pass and a cast pass whoever
+    made the tensor, on the shard where it is gathered in float8, and the backward's transposed
+    float8 copies)."""
     prog = plan.program
     op = prog.ops[i]
     if _canonical(op.rule) not in FP8_GEMMS or not c.gemms:
@@ -315,6 +381,16 @@ def _fp8(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
         return c
     b, m, n, k = gemm_dims(lop)
     pre = FP8_PRE_GATHER * _shard(plan, w) if w in fp8_gathered(plan) else None
+    if plan.runtime.framework == "torchtitan":  # torchao's float8 linears, under torch.compile
+        weight = lop.one("y") or lop.one("weight")
+        assert weight is not None  # gemm_dims read it
+        gathers = float8_tp_gathers(plan)
+        src, dy = _operand(prog, op, _INPUT_PARAMS, None), op.inputs.get("out_grad")
+        return replace(c, fp8=True, cast_bytes=torchao_cast_bytes(
+            (b, m, n, k), math.prod(weight[0]), grad=op.rule.endswith("_grad"), pre=pre,
+            x_cast=i in layers.first_reads, x_degree=gather_degree(plan, gathers, src),
+            dy_degree=gather_degree(plan, gathers, dy if isinstance(dy, str) else None),
+            x_transpose=i in layers.first_grad_reads))
     if op.rule.endswith("_grad"):
         cast = 4.0 * b * m * n + (pre or 0.0)
     else:  # the weight as this device holds it (an expert stack: its local experts, not the GEMM's batch)
@@ -592,6 +668,6 @@ def guess_tokens(program: Program) -> int | None:
     return None
 
 
-__all__ = ["COSTED", "FP8_AMAX", "FP8_FUSED_PRODUCERS", "FP8_GEMMS", "FP8_PRE_GATHER", "Fp8Layers", "KernelCollective", "cost_of", "fp8_amax_cost", "fp8_gathered", "fp8_layers", "gathered_itemsize",
+__all__ = ["COSTED", "FP8_AMAX", "float8_tp_gathers", "FP8_FUSED_PRODUCERS", "FP8_GEMMS", "FP8_PRE_GATHER", "Fp8Layers", "KernelCollective", "cost_of", "fp8_amax_cost", "fp8_gathered", "fp8_layers", "gathered_itemsize",
            "fp8_weights", "fused_wgrad", "guess_tokens", "kernel_collectives", "local_op", "local_shape",
            "model_flops", "op_cost", "op_kernel_collectives"]

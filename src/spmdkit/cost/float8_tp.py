@@ -23,7 +23,8 @@ and the attention and feed-forward modules ``PrepareFloat8ModuleInput`` (input `
   matmuls' bf16 outputs: unchanged.
 
 A tensor gathered over tp whose every reader in that phase is a float8 linear's GEMM (its input
-in the forward, its output gradient in the backward) is gathered in float8: :func:`float8_tp_gathers`.
+in the forward, its output gradient in the backward) is gathered in float8: :func:`float8_tp_gathers`
+(in :mod:`spmdkit.cost.compute`, which prices torchao's casts on those shards; re-exported here).
 The final norm's output, gathered for the bf16 output head (torchtitan's plain ``ColwiseParallel``
 for ``output``), is not.
 """
@@ -34,47 +35,9 @@ from dataclasses import replace
 
 from spmdkit.core.reshard import Step
 from spmdkit.cost.collectives import buffer_bytes, time_of
-from spmdkit.cost.compute import FP8_GEMMS, _canonical, _operand, fp8_weights
+from spmdkit.cost.compute import _ROLES, FP8_GEMMS, _canonical, _operand, float8_tp_gathers, fp8_weights
 from spmdkit.engine.memo import Recent
 from spmdkit.program.plan import Plan
-
-#: the roles of a float8 GEMM's operand that torchao casts before the TP all-gather, by phase
-_ROLES = {"forward": ("x", "input"), "backward": ("out_grad",)}
-
-_MEMO: Recent[tuple[Plan, frozenset[str]]] = Recent(16)
-
-
-def float8_tp_gathers(plan: Plan) -> frozenset[str]:
-    """The activations and gradients whose all-gather moves float8 (1 byte an element) under
-    torchao's float8 TP: ``--precision fp8 --framework torchtitan``, gathered (an all-gather
-    step) where every reader of the same phase is a float8 linear's GEMM (:func:`fp8_weights`)
-    reading it as its input (forward) or output gradient (backward). Empty otherwise."""
-    rt = plan.runtime
-    if not (rt.fp8 and rt.framework == "torchtitan"):
-        return frozenset()
-    return _MEMO.get(id(plan), lambda: (plan, _gathers(plan)))[1]
-
-
-def _gathers(plan: Plan) -> frozenset[str]:
-    prog = plan.program
-    weights = fp8_weights(prog)
-    readers: dict[str, list[int]] = {}
-    for j, op in enumerate(prog.ops):
-        for n in op.input_names():
-            readers.setdefault(n, []).append(j)
-    out: set[str] = set()
-    for r in plan.reshards:
-        t = prog.tensors[r.tensor]
-        phase = prog.ops[r.op_index].phase
-        if t.kind not in ("activation", "gradient") or phase not in _ROLES \
-                or not any(s.kind == "all_gather" and s.bytes_per_rank for s in r.plan.steps):
-            continue
-        same = [prog.ops[j] for j in readers.get(r.tensor, ()) if prog.ops[j].phase == phase]
-        if same and all(_canonical(op.rule) in FP8_GEMMS
-                        and _operand(prog, op, ("y", "weight"), "parameter") in weights
-                        and any(op.inputs.get(k) == r.tensor for k in _ROLES[phase]) for op in same):
-            out.add(r.tensor)
-    return frozenset(out)
 
 
 def float8_step(plan: Plan, tensor: str, s: Step) -> Step:
