@@ -342,7 +342,8 @@ def test_deepseek_v3s_etp1_pipelines_floor_counts_whole_layers() -> None:
     attention kernel's own shape, rates.attention_shape, and the share re-fitted, 0.843: 28.59 s,
     120.17 s, 120.32 s; the share re-fitted with NeMo 24.07's runs on flash-attn, 0.870: 27.98 s,
     120.14 s, 120.28 s; the share re-fitted after the merges, 0.864: 28.11 s, 120.15 s, 120.29 s;
-    cuDNN's 9.1.0 level and the share re-fitted with torchao's float8 TP, 0.853: 28.20 s, 120.15 s, 120.30 s);
+    cuDNN's 9.1.0 level and the share re-fitted with torchao's float8 TP, 0.853: 28.20 s, 120.15 s, 120.30 s;
+    re-fitted with torchao's float8 casts, 0.870: 27.82 s, 120.13 s, 120.27 s);
     and every
     full:K of the interleaved ``dp=16
     ep=4 tp=2 pp=16 vp=2`` stays above its block split floor. These figures are the main model's
@@ -357,13 +358,13 @@ def test_deepseek_v3s_etp1_pipelines_floor_counts_whole_layers() -> None:
     floor = _floor(V3_MAIN, mc, job, _bounds(V3_MAIN, mc, job))
     assert floor is not None
     _mtp_floor_under_its_steps(cfg, job)
-    assert floor.step(cfg, "none") == pytest.approx(28.196, abs=1e-3)
+    assert floor.step(cfg, "none") == pytest.approx(27.816, abs=1e-3)
     got = config_candidates(V3_MAIN, cfg, "h800", V3)
     none = next(c for c in got if c.config.recompute == "none")
     assert not none.fits and none.estimate.counts == (2,) + (4,) * 14 + (3,)
-    assert floor.step(cfg, "none") <= none.step_s == pytest.approx(120.152, abs=1e-3)
+    assert floor.step(cfg, "none") <= none.step_s == pytest.approx(120.131, abs=1e-3)
     best = min((c for c in got if c.fits), key=lambda c: c.step_s)
-    assert best.config.recompute == "full:1" and best.step_s == pytest.approx(120.297, abs=1e-3)
+    assert best.config.recompute == "full:1" and best.step_s == pytest.approx(120.274, abs=1e-3)
     assert floor.step(cfg, "none") <= best.step_s
     assert all(floor.step(cfg, c.config.recompute) <= c.step_s for c in got if c.fits)
     # with its own layers' tail: the stream of 240 microbatches' reduce-scatters of the 4 MoE
@@ -374,9 +375,9 @@ def test_deepseek_v3s_etp1_pipelines_floor_counts_whole_layers() -> None:
     # 117.843 with the fused weight-gradient accumulation and the optimizer-step passes; 117.865 at the
     # slowest of 2048 GPUs' pace; 117.847 at the sustained share 0.823; 117.842 with each attention
     # kernel's own shape and the share 0.843; 117.829 at the share 0.870; 117.831 at the share 0.864;
-    # 117.833 at cuDNN's 9.1.0 level and the share 0.853)
+    # 117.833 at cuDNN's 9.1.0 level and the share 0.853; 117.825 at the share 0.870)
     own = floor.step(cfg, "none", gathers=True)
-    assert own == pytest.approx(117.833, abs=1e-3) and own <= min(c.step_s for c in got)
+    assert own == pytest.approx(117.825, abs=1e-3) and own <= min(c.step_s for c in got)
     inter = Config(16, 2, 16, V3_ETP1, microbatches=240, ep=4, virtual=2)
     low = floor.blocks_step(inter)
     assert 0 < low < math.inf
