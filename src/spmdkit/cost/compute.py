@@ -224,6 +224,7 @@ def _fp8_layers(prog: Program) -> Fp8Layers:
     weights = frozenset(w for _, w in ops if w != head)
     seen: set[str] = set()
     casts: set[int] = set()
+    first: set[int] = set()
     grads: dict[str, int] = {}
     for i, op in enumerate(prog.ops):
         x = _operand(prog, op, _INPUT_PARAMS, None)
@@ -235,25 +236,14 @@ def _fp8_layers(prog: Program) -> Fp8Layers:
         if w not in weights or x is None or x in seen:
             continue
         seen.add(x)
+        first.add(i)
         src = producer.get(x)
         while src is not None and facts_of(_canonical(src.rule)).cost is no_kernel:
             v = _operand(prog, src, ("x", "input"), None)
             src = producer.get(v) if v else None
         if src is None or _canonical(src.rule) not in FP8_FUSED_PRODUCERS:
             casts.add(i)
-    return Fp8Layers(weights, frozenset(casts), frozenset(_first_readers(prog, ops, weights)),
-                     frozenset(grads.values()))
-
-
-def _first_readers(prog: Program, ops: list[tuple[int, str]], weights: frozenset[str]) -> set[int]:
-    seen: set[str] = set()
-    out: set[int] = set()
-    for i, w in ops:
-        x = _operand(prog, prog.ops[i], _INPUT_PARAMS, None)
-        if w in weights and x is not None and x not in seen:
-            seen.add(x)
-            out.add(i)
-    return out
+    return Fp8Layers(weights, frozenset(casts), frozenset(first), frozenset(grads.values()))
 
 
 def fp8_weights(prog: Program) -> frozenset[str]:
@@ -264,7 +254,7 @@ def fp8_weights(prog: Program) -> frozenset[str]:
 #: the roles of a float8 GEMM's operand that torchao casts before the TP all-gather, by phase
 _ROLES = {"forward": ("x", "input"), "backward": ("out_grad",)}
 
-_F8TP_MEMO: Recent[tuple[Plan, frozenset[str]]] = Recent(16)
+_F8TP_MEMO: Recent[tuple[Plan, frozenset[str], dict[str, tuple[int, ...]]]] = Recent(16)
 
 
 def float8_tp_gathers(plan: Plan) -> frozenset[str]:
@@ -272,32 +262,47 @@ def float8_tp_gathers(plan: Plan) -> frozenset[str]:
     torchao's float8 TP: ``--precision fp8 --framework torchtitan``, gathered (an all-gather
     step) where every reader of the same phase is a float8 linear's GEMM (:func:`fp8_weights`)
     reading it as its input (forward) or output gradient (backward). Empty otherwise."""
+    return _float8_tp(plan)[1]
+
+
+def float8_tp_gather_dims(plan: Plan) -> dict[str, tuple[int, ...]]:
+    """Each :func:`float8_tp_gathers` tensor -> the mesh dims of its all-gather (its first reshard
+    that gathers, in the plan's order). Empty where torchao's float8 TP does not run."""
+    return _float8_tp(plan)[2]
+
+
+def _float8_tp(plan: Plan) -> tuple[Plan, frozenset[str], dict[str, tuple[int, ...]]]:
     rt = plan.runtime
     if not (rt.fp8 and rt.framework == "torchtitan"):
-        return frozenset()
-    return _F8TP_MEMO.get(id(plan), lambda: (plan, _gathers(plan)))[1]
+        return plan, frozenset(), {}
+
+    def make() -> tuple[Plan, frozenset[str], dict[str, tuple[int, ...]]]:
+        dims = _gathers(plan)
+        return plan, frozenset(dims), dims
+
+    return _F8TP_MEMO.get(id(plan), make)
 
 
-def _gathers(plan: Plan) -> frozenset[str]:
+def _gathers(plan: Plan) -> dict[str, tuple[int, ...]]:
     prog = plan.program
     weights = fp8_weights(prog)
     readers: dict[str, list[int]] = {}
     for j, op in enumerate(prog.ops):
         for n in op.input_names():
             readers.setdefault(n, []).append(j)
-    out: set[str] = set()
+    out: dict[str, tuple[int, ...]] = {}
     for r in plan.reshards:
         t = prog.tensors[r.tensor]
         phase = prog.ops[r.op_index].phase
-        if t.kind not in ("activation", "gradient") or phase not in _ROLES \
-                or not any(s.kind == "all_gather" and s.bytes_per_rank for s in r.plan.steps):
+        gather = next((s.mesh_dims for s in r.plan.steps if s.kind == "all_gather" and s.bytes_per_rank), None)
+        if t.kind not in ("activation", "gradient") or phase not in _ROLES or gather is None:
             continue
         same = [prog.ops[j] for j in readers.get(r.tensor, ()) if prog.ops[j].phase == phase]
         if same and all(_canonical(op.rule) in FP8_GEMMS
                         and _operand(prog, op, ("y", "weight"), "parameter") in weights
                         and any(op.inputs.get(k) == r.tensor for k in _ROLES[phase]) for op in same):
-            out.add(r.tensor)
-    return frozenset(out)
+            out.setdefault(r.tensor, tuple(gather))
+    return out
 
 
 #: bytes a sharded weight element moves in torchao's ``fsdp_pre_all_gather`` with a precomputed
@@ -384,7 +389,7 @@ def _fp8(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     if plan.runtime.framework == "torchtitan":  # torchao's float8 linears, under torch.compile
         weight = lop.one("y") or lop.one("weight")
         assert weight is not None  # gemm_dims read it
-        gathers = float8_tp_gathers(plan)
+        gathers = float8_tp_gather_dims(plan)
         src, dy = _operand(prog, op, _INPUT_PARAMS, None), op.inputs.get("out_grad")
         return replace(c, fp8=True, cast_bytes=torchao_cast_bytes(
             (b, m, n, k), math.prod(weight[0]), grad=op.rule.endswith("_grad"), pre=pre,
@@ -668,6 +673,6 @@ def guess_tokens(program: Program) -> int | None:
     return None
 
 
-__all__ = ["COSTED", "FP8_AMAX", "float8_tp_gathers", "FP8_FUSED_PRODUCERS", "FP8_GEMMS", "FP8_PRE_GATHER", "Fp8Layers", "KernelCollective", "cost_of", "fp8_amax_cost", "fp8_gathered", "fp8_layers", "gathered_itemsize",
+__all__ = ["COSTED", "FP8_AMAX", "float8_tp_gather_dims", "float8_tp_gathers", "FP8_FUSED_PRODUCERS", "FP8_GEMMS", "FP8_PRE_GATHER", "Fp8Layers", "KernelCollective", "cost_of", "fp8_amax_cost", "fp8_gathered", "fp8_layers", "gathered_itemsize",
            "fp8_weights", "fused_wgrad", "guess_tokens", "kernel_collectives", "local_op", "local_shape",
            "model_flops", "op_cost", "op_kernel_collectives"]

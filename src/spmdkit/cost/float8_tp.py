@@ -31,11 +31,20 @@ for ``output``), is not.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from spmdkit.core.reshard import Step
 from spmdkit.cost.collectives import buffer_bytes, time_of
-from spmdkit.cost.compute import _ROLES, FP8_GEMMS, _canonical, _operand, float8_tp_gathers, fp8_weights
+from spmdkit.cost.compute import (
+    _ROLES,
+    FP8_GEMMS,
+    _canonical,
+    _operand,
+    float8_tp_gather_dims,
+    float8_tp_gathers,
+    fp8_weights,
+)
 from spmdkit.engine.memo import Recent
 from spmdkit.program.plan import Plan
 
@@ -46,9 +55,7 @@ def float8_step(plan: Plan, tensor: str, s: Step) -> Step:
     if s.kind != "all_gather" or not s.bytes_per_rank or tensor not in float8_tp_gathers(plan):
         return s
     size = plan.program.tensors[tensor].itemsize
-    n = 1
-    for d in s.mesh_dims:
-        n *= plan.mesh.shape[d]
+    n = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
     buf = buffer_bytes(s.kind, s.bytes_per_rank, n) / size
     return replace(s, bytes_per_rank=round(s.bytes_per_rank / size),
                    time_s=time_of(plan.cost, s.kind, s.mesh_dims, buf, plan.mesh.shape))
@@ -75,16 +82,13 @@ def amax_all_reduces(plan: Plan) -> dict[int, float]:
 
 def _amax(plan: Plan) -> dict[int, float]:
     prog = plan.program
-    gathers = float8_tp_gathers(plan)
-    dims: tuple[int, ...] = ()
+    gathers = float8_tp_gather_dims(plan)
     at: dict[str, int] = {}
     for r in plan.reshards:
         if r.tensor in gathers and prog.ops[r.op_index].phase == "forward":
             at.setdefault(r.tensor, r.op_index)
-            dims = dims or next(s.mesh_dims for s in r.plan.steps if s.kind == "all_gather" and s.bytes_per_rank)
-    if not dims:  # only backward gathers: the tp dims of those
-        dims = next(s.mesh_dims for r in plan.reshards if r.tensor in gathers
-                    for s in r.plan.steps if s.kind == "all_gather" and s.bytes_per_rank)
+    # the tp dims: a forward block input's gather's, else (only backward gathers) the first one's
+    dims = gathers[next(iter(at))] if at else next(iter(gathers.values()))
     t = time_of(plan.cost, "all_reduce", dims, AMAX_BYTES, plan.mesh.shape)
     weights = fp8_weights(prog)
     out: dict[int, float] = {}

@@ -40,8 +40,8 @@ saving ``aten.max`` (the recomputed forward GEMMs are charged their amax again).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
-from spmdkit.engine.memo import Recent
 from spmdkit.program.plan import Plan
 
 #: bytes an element of a dynamic tensorwise cast moves: the amax's read (2) and the cast's read and
@@ -50,27 +50,13 @@ CAST = 5.0
 #: bytes an element of a float8 tensor copied transposed for ``_scaled_mm`` (read 1, write 1)
 TRANSPOSE = 2.0
 
-_DEGREE: Recent[tuple[Plan, dict[str, int]]] = Recent(16)
 
-
-def _degrees(plan: Plan, gathers: frozenset[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r in plan.reshards:
-        if r.tensor in gathers and r.tensor not in out:
-            for s in r.plan.steps:
-                if s.kind == "all_gather" and s.bytes_per_rank:
-                    out[r.tensor] = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
-                    break
-    return out
-
-
-def gather_degree(plan: Plan, gathers: frozenset[str], tensor: str | None) -> int:
+def gather_degree(plan: Plan, gathers: Mapping[str, tuple[int, ...]], tensor: str | None) -> int:
     """The ranks ``tensor`` is all-gathered over in float8 (``gathers``: the plan's
-    :func:`spmdkit.cost.compute.float8_tp_gathers`); 1 where it is not: its cast runs on
-    ``1 / degree`` of the gathered elements."""
-    if tensor is None or tensor not in gathers:
-        return 1
-    return _DEGREE.get(id(plan), lambda: (plan, _degrees(plan, gathers)))[1].get(tensor, 1)
+    :func:`spmdkit.cost.compute.float8_tp_gather_dims`, tensor -> mesh dims); 1 where it is not: its
+    cast runs on ``1 / degree`` of the gathered elements."""
+    dims = gathers.get(tensor) if tensor is not None else None
+    return math.prod(plan.mesh.shape[d] for d in dims) if dims else 1
 
 
 def torchao_cast_bytes(gemm: tuple[int, int, int, int], weight: int, *, grad: bool, pre: float | None,
