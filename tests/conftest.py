@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -72,3 +74,14 @@ def run_json(*args: str) -> dict[str, Any]:
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return dict(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+def load_script(name: str, path: Path) -> ModuleType:
+    """The benchmark or script at ``path`` loaded afresh as module ``name`` (registered in
+    sys.modules first: its dataclasses look their module up while the file runs)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

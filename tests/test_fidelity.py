@@ -4,7 +4,6 @@ current with the code."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from conftest import load_script
 from spmdkit.cost.band import BAND_FILE, error_band, family_of
 from spmdkit.models.zoo import build_model, preset
 
@@ -22,12 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fidelity_bench", ROOT / "benchmarks" / "fidelity.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fidelity_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("fidelity_bench", ROOT / "benchmarks" / "fidelity.py")
 
 
 FID = _bench()

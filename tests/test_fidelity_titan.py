@@ -5,15 +5,14 @@ sustained tensor-core clock from NVIDIA's rated SKUs; the flags' errors."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conftest import load_script
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.compute import local_op, op_cost
@@ -143,13 +142,7 @@ def test_compile_flag_only_under_torchtitan(capsys: Any) -> None:
 
 
 def _bench() -> Any:
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("fidelity_bench_titan", root / "benchmarks" / "fidelity.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("fidelity_bench_titan", Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity.py")
 
 
 def test_torchtitan_runs_expressed_as_they_ran(tmp_path: Path) -> None:

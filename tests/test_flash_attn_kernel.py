@@ -6,14 +6,13 @@ torch's SDPA build (``fa2``): its forward asymptote is the FlashAttention-3 pape
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conftest import load_script
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import DEVICES, device_from_json
 from spmdkit.cost.rates import A100_RATES, FA3_H100_FWD, H100_RATES, H200_RATES, attention_efficiency
@@ -70,13 +69,7 @@ def test_the_command_line_option(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def _fidelity() -> Any:
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("fidelity_bench_flash_attn", root / "benchmarks" / "fidelity.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("fidelity_bench_flash_attn", Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity.py")
 
 
 def test_nemo_2407_runs_are_planned_with_the_kernel_their_launcher_config_ran(tmp_path: Path) -> None:

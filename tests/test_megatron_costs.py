@@ -6,10 +6,8 @@ and NeMo 24.07's recipes as its launcher configs set them (benchmarks/fidelity.p
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from conftest import load_script
 from spmdkit.cli import main
 from spmdkit.cost import step as st
 from spmdkit.cost.compute import op_cost
@@ -115,12 +114,7 @@ def test_sequence_parallel_regather_hides_under_the_dgrad_gemm() -> None:
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fidelity_bench_mc", ROOT / "benchmarks" / "fidelity.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fidelity_bench_mc"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("fidelity_bench_mc", ROOT / "benchmarks" / "fidelity.py")
 
 
 def test_nemo_runs_take_their_launcher_config(tmp_path: Path) -> None:
