@@ -29,7 +29,8 @@ Units, as the runs file's README says to compare them:
 - the out-of-sample runs (``outside-runs.json``): BLOOM, MT-NLG and Megatron-LM's GPT-3 example by
   their stated iteration time (their TFLOP/s are eq. 3's, reproduced from it); Llama 3's TFLOP/s by
   Megatron-Core's count (Meta states none); NeMo 24.03's long-sequence table (``nemo-long-runs.json``) by
-  NeMo-Framework-Launcher 24.03.01's count (:func:`nemo2403_flops`).
+  its first version's ``tokens_per_sec_per_gpu`` (NVIDIA/NeMo 35029a0c84; its TFLOP/s are Megatron-Core's
+  count, SwiGLU-wide and non-causal, to the rounding of every row).
 
 The summary: median and 90th percentile of ``|ratio - 1|`` (speed), the share within 5% and 10%,
 memory ratios where measured, runs that trained predicted to fit, and the pairwise order of the
@@ -648,22 +649,6 @@ def megatron_core_flops(row: dict[str, Any]) -> float:
                                          + v / (2 * l_ * h))
 
 
-def nemo2403_flops(row: dict[str, Any]) -> float:
-    """The model FLOPs of one iteration of a Llama as NVIDIA's NeMo 24.03 tooling counts them:
-    NVIDIA/NeMo-Framework-Launcher tag 24.03.01 (5c7e280a),
-    ``auto_configurator/autoconfig/scripts/compare_throughput.py: calculate_tflops`` for
-    ``model_name in ["gpt3", "llama", ...]``: ``(24 B s h^2 + 4 B s^2 h) x (3 x num_layers) + 6 B s h V``,
-    its "Model TFLOPS / GPU". GPT-3's count: the 24 h^2 of a 4h GeLU MLP and full multi-head
-    attention whatever the model's ffn and kv heads (Llama 2 7B's SwiGLU of 11008: 24.125 h^2), the
-    attention scores non-causal (``4 B s^2 h`` a layer forward), no norms; ``V`` the unpadded
-    vocabulary (the search configs' ``vocab_size``). NeMo 1.23 itself counts no FLOPs; NeMo's later
-    ``nemo/utils/flops_formulas.py: llama2`` (f0bf77bcf7, 2025-01) counts the same up to the MLP
-    width, non-causal until 6251117f4c (2025-08)."""
-    m, gb = row["model"], row["parallelism"]["global_batch"]
-    s, h, l_, v = m["seq_len"], m["hidden"], m["layers"], m["vocab"]
-    return (24.0 * gb * s * h * h + 4.0 * gb * s * s * h) * (3 * l_) + 6.0 * gb * s * h * v
-
-
 def flops_of(row: dict[str, Any]) -> float:
     """A run's FLOPs per iteration as its source counts them: Narayanan's eq. 3 for the sc21 runs and for
     Megatron-DeepSpeed's (BLOOM's and MT-NLG's throughput logs: ``24 x 4 x B s l h^2 (...)``, the
@@ -672,8 +657,6 @@ def flops_of(row: dict[str, Any]) -> float:
     share)."""
     if row["id"].startswith((*MEGATRON_2021, "bloom", "mtnlg")):
         return narayanan_flops(row)
-    if row["id"].startswith("nemo2403"):  # NeMo 24.03's long-sequence table
-        return nemo2403_flops(row)
     return megatron_core_moe_flops(row) if row["model"].get("moe") else megatron_core_flops(row)
 
 
@@ -1125,8 +1108,9 @@ NEMO_LONG_INTRO = (
     "docs/source/performance/performance_long_sequence.md). Nothing in the cost model was calibrated on them",
     "(`benchmarks/data/nemo-long-runs.md`): out of `band.json`, the summary above and",
     "`benchmarks/calibrate_sustained.py`. Expressed as NeMo 24.07's cp rows (Transformer Engine's p2p ring,",
-    "`--strategy ...,cp,cp-attention=ring`, fp8, the distributed optimizer); TFLOP/s by NeMo-Framework-Launcher",
-    "24.03.01's count (`nemo2403_flops`: non-causal attention, most of the count at 1M tokens).", "")
+    "`--strategy ...,cp,cp-attention=ring`, fp8, the distributed optimizer); measured as the table's first",
+    "version's tokens a second a GPU (NVIDIA/NeMo 35029a0c84), whose TFLOP/s are Megatron-Core's count",
+    "(non-causal attention, most of the count at 1M tokens).", "")
 NEMO_HEADING = "## Out-of-sample check: NeMo's later performance summaries (25.09 to 26.06)"
 NEMO_INTRO = (
     "The runs of `benchmarks/data/nemo-runs.json`: every DGX-H100 pre-training row of NeMo 25.09 to 26.06's",

@@ -682,7 +682,7 @@ def test_nemo_long_runs_are_expressed_as_nemo_2407s_cp_rows() -> None:
         cases = {r["id"]: FID.express(r, Path(d)) for r in NEMO_LONG}
     for rid, case in cases.items():
         row = _nemo_long(rid)
-        assert case.gpus == row["hardware"]["num_gpus"] and case.metric == "tflops_per_gpu"
+        assert case.gpus == row["hardware"]["num_gpus"] and case.metric == "tokens_per_sec_per_gpu"
         assert _opt(case.argv, "--precision") == "fp8" and _opt(case.argv, "--framework") == "megatron"
         assert "--tp-comm-overlap" not in case.argv and "--cross-entropy-fusion" not in case.argv
         cfg = json.loads(_opt(case.argv, "--model-config"))
@@ -699,23 +699,37 @@ def test_nemo_long_runs_are_expressed_as_nemo_2407s_cp_rows() -> None:
     assert _opt(piped, "--mesh") == "pp=2,dp=4,tp=1" and _opt(piped, "--microbatches") == "128"
 
 
-def test_nemo2403_flop_count_is_the_launchers() -> None:
-    # NeMo-Framework-Launcher 24.03.01 compare_throughput.py calculate_tflops ('llama'): (24 B s h^2 + 4 B s^2 h)
-    # x 3 l + 6 B s h V. The 4K row by hand: B 1024, s 4096, h 4096, l 32, V 32000
+def test_nemo2403_rows_are_measured_in_tokens_and_their_tflops_are_megatron_cores_count() -> None:
+    # NVIDIA/NeMo 35029a0c84 (2024-10-07), the table's first version, gives Tokens / sec / GPU beside the
+    # TFLOP/s: the ratio is taken on the tokens (no FLOP count needed), as NeMo 24.07's rows
+    with tempfile.TemporaryDirectory() as d:
+        metrics = {FID.express(r, Path(d)).metric for r in NEMO_LONG}
+    assert metrics == {"tokens_per_sec_per_gpu"}
+    # the 4K row by hand: 768 TFLOP/s at 16,671 tokens/s/GPU is 46.07 GFLOP a token. Megatron-Core's count
+    # (core_r0.6.0 num_floating_point_operations: 12 l h^2 (1 + ffn/h x 3/2 + kv/heads + s/h + V/(2 l h)) a
+    # token) is 46.08 GFLOP: inside the rounding of 768 (+-0.5) and 16,671; the launcher's auto_configurator
+    # count (GPT-3's 24 h^2 MLP: (24 h^2 + 4 s h) x 3 l + 6 h V) is 45.88 GFLOP, 0.33% or more off
     row = _nemo_long("nemo2403_long_llama2_7b_4k_4gpu_cp1")
-    b, s, h = 1024, 4096, 4096
-    hand = (24 * b * s * h * h + 4 * b * s * s * h) * 96 + 6 * b * s * h * 32000
-    assert hand == 192_449_719_232_888_832  # ~1.924e17 a step: 4M tokens x 45.9 GFLOP
-    assert FID.nemo2403_flops(row) == pytest.approx(hand, rel=1e-12) and FID.flops_of(row) == FID.nemo2403_flops(row)
-    # Megatron-Core's count differs by Llama 2's MLP width (SwiGLU of 11008: 24.125 h^2 against GPT-3's 24 h^2)
-    assert FID.megatron_core_flops(row) / hand == pytest.approx(1.0044, abs=1e-4)
+    s, h, l_, v = 4096, 4096, 32, 32000
+    mcore = 12 * l_ * h * h * (1 + 11008 / h * 1.5 + 1 + s / h + v / (2 * l_ * h))
+    launcher = (24 * h * h + 4 * s * h) * 3 * l_ + 6 * h * v
+    assert mcore == pytest.approx(46.0849e9, rel=1e-5) and launcher == pytest.approx(45.8836e9, rel=1e-5)
+    assert FID.megatron_core_flops(row) == pytest.approx(1024 * s * mcore, rel=1e-12) and FID.flops_of(row) == FID.megatron_core_flops(row)
+    lo, hi = 767.5e12 / 16671.5, 768.5e12 / 16670.5  # the FLOP a token the two rounded figures allow
+    assert lo < mcore < hi and not lo < launcher < hi
+    # every row: TFLOP/s x 1e12 / tokens within the rounding of the two figures of Megatron-Core's count
+    for r in NEMO_LONG:
+        meas, tokens = r["measured"], r["parallelism"]["global_batch"] * r["model"]["seq_len"]
+        per_token = FID.megatron_core_flops(r) / tokens
+        tf, tok = meas["tflops_per_gpu"], meas["tokens_per_sec_per_gpu"]
+        assert (tf - 0.5) * 1e12 / (tok + 0.5) < per_token < (tf + 0.5) * 1e12 / (tok - 0.5), r["id"]
     # the attention non-causal: at 1024K, 4 sequences, it is 97.7% of the count (a causal count: 0.512 of it)
     top = _nemo_long("nemo2403_long_llama2_7b_1024k_1024gpu_cp32")
     s = 1024 * 1024
     attn = 4 * 4 * s * s * h * 96
-    assert attn / FID.nemo2403_flops(top) == pytest.approx(0.9766, abs=1e-4)
-    # and the table's 536 TFLOP/s a GPU is a step of 12.9 s on 1,024 GPUs
-    assert FID.nemo2403_flops(top) / (536e12 * 1024) == pytest.approx(12.905, abs=0.001)
+    assert attn / FID.flops_of(top) == pytest.approx(0.9765, abs=1e-4)
+    # and the table's 318 tokens a second a GPU is a step of 12.88 s on 1,024 GPUs
+    assert 4 * s / (318 * 1024) == pytest.approx(12.880, abs=0.001)
 
 # -- the out-of-sample runs of NeMo's later performance summaries (benchmarks/data/nemo-runs.json) --------
 
