@@ -65,7 +65,7 @@ from spmdkit.program.runtime import DISPATCHERS  # the MoE dispatchers --moe-dis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity_foundry import FOUNDRY, foundry_argv
 from fidelity_tables import RunsSection, run_table, runs_section
-from fidelity_torchtitan import TORCHTITAN_2025, float8_unsupported, fsdp_float8_flags, loss_flags
+from fidelity_torchtitan import TORCHTITAN_2025, float8_recipe_flags, float8_unsupported, fsdp_float8_flags, loss_flags
 
 #: the published runs (a copy of the team's shared calibration set; benchmarks/data/published-runs.md)
 RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
@@ -382,7 +382,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         raise Unsupported("mixture of experts without a catalog architecture")
     if par.get("activation_cpu_offload"):  # llm-foundry's fsdp_config.activation_cpu_offload
         raise Unsupported("activation CPU offload")
-    float8 = float8_unsupported(row)  # torchao's rowwise scaling, FSDP2's float8 all-gather
+    float8 = float8_unsupported(row)  # a torchao float8 recipe not modelled (rowwise_with_gw_hp)
     if float8:
         raise Unsupported(float8)
     assume: list[str] = [str(x) for x in row.get("assumptions") or []]  # the row's own (outside-runs.json)
@@ -469,6 +469,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv.append("--compile" if par.get("torch_compile") else "--no-compile")
         argv += loss_flags(row)  # torchtitan from 2025-04 compiles its loss under training.compile
         argv += fsdp_float8_flags(row, assume)  # torchao's float8 all-gather under FSDP2
+        argv += float8_recipe_flags(row, assume)  # torchao's rowwise recipe (--float8.recipe_name rowwise)
     overlaps = str(par.get("overlaps") or "")
     if "--tp-comm-overlap" in overlaps or par.get("async_tp") or (nemo is not None and nemo[0] and tp > 1):
         argv.append("--tp-comm-overlap")

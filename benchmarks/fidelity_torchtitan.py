@@ -10,15 +10,16 @@ The rows are planned as the ``torchtitan_202412`` rows of the published set are 
 torchtitan``, the 96GB device file of Grand Teton at 500 W, ``--compile``, torchtitan's op-level SAC
 as ``--recompute selective``, ``--tp-comm-overlap`` for async TP, ``--precision fp8`` for torchao's
 float8 tensorwise linears; with a tp dimension their TP all-gathers in float8 as torchao's float8 TP
-runs them: ``spmdkit.cost.float8_tp``). One torchao float8 feature is not modelled, and a row that
-ran it is counted unsupported by that feature (:func:`float8_unsupported`):
-
-- rowwise scaling (torchtitan ``--float8.recipe_name rowwise``; torchtitan
-  ``torchtitan/components/quantization/float8.py`` at 820504e: ``Float8LinearConfig.from_recipe_name``):
-  a scale per row of each operand, ``torch._scaled_mm`` with rowwise scales (another GEMM kernel and
-  rate than the tensorwise one the planner prices) and, under TP, the all-gathers in bf16
-  (``parallelize_llama`` at 820504e: ``enable_float8_tensorwise_tp = enable_float8_linear and not
-  float8_is_rowwise``);
+runs them: ``spmdkit.cost.float8_tp``). torchao's rowwise recipe (torchtitan ``--float8.recipe_name
+rowwise``; torchtitan ``torchtitan/components/quantization/float8.py`` at 820504e:
+``Float8LinearConfig.from_recipe_name``) is planned with ``--float8-recipe rowwise``
+(:func:`float8_recipe_flags`): the axiswise casts and their backward re-scales, the backward GEMMs'
+rescale kernels, and under TP the all-gathers in bf16 (``parallelize_llama`` at 820504e:
+``enable_float8_tensorwise_tp = enable_float8_linear and not float8_is_rowwise``);
+``spmdkit.cost.torchao_casts``. Its forward GEMM (PyTorch's rowwise CUTLASS ``_scaled_mm``) is
+priced at cuBLAS's tensorwise float8 rate, an assumption no source settles (each row's
+``assumptions`` says so). A float8 feature the planner does not model would be counted unsupported
+by :func:`float8_unsupported` (none of the rows ran one now).
 
 FSDP2's float8 all-gather (``--float8.enable_fsdp_float8_all_gather``, torchao
 ``torchao/float8/fsdp_utils.py``: ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` casts
@@ -40,11 +41,31 @@ TORCHTITAN_2025_HEADING = "## Out-of-sample check: torchtitan's 2025 benchmarks 
 
 def float8_unsupported(row: dict[str, Any]) -> str | None:
     """The torchao float8 feature of ``row`` the planner does not model (the module's docstring), or
-    None: rowwise scaling (``precision`` names it). FSDP2's float8 all-gather is modelled
-    (:func:`fsdp_float8_flags`)."""
-    if "rowwise" in str(row.get("precision") or "").lower():
-        return "float8 rowwise scaling (torchao recipe_name rowwise: rowwise-scaled _scaled_mm, bf16 TP all-gathers)"
+    None: torchao's ``rowwise_with_gw_hp`` recipe (its grad_weight GEMM in bf16), which no row ran.
+    Rowwise scaling (:func:`float8_recipe_flags`) and FSDP2's float8 all-gather
+    (:func:`fsdp_float8_flags`) are modelled."""
+    if "rowwise_with_gw_hp" in str(row.get("precision") or "").lower():
+        return "float8 rowwise_with_gw_hp (torchao recipe: a bf16 grad_weight GEMM beside float8 ones)"
     return None
+
+
+#: what the rowwise rows' plans assume of the forward GEMM's rate (spmdkit.cost.torchao_casts)
+ROWWISE_RATE_ASSUMPTION = ("the rowwise-scaled forward _scaled_mm (PyTorch's CUTLASS rowwise kernel, fast accum) "
+                           "at cuBLAS's tensorwise float8 rate: no source gives its rate at these shapes "
+                           "(pytorch/pytorch#147971, 2025-02: most shapes 90-100% of tensorwise, a tail to 50%); "
+                           "an unsourced assumption")
+
+
+def float8_recipe_flags(row: dict[str, Any], assume: list[str] | None = None) -> list[str]:
+    """``--float8-recipe rowwise`` for a row that ran torchao's rowwise recipe (``precision`` names
+    it: torchtitan's ``--float8.recipe_name rowwise``), with :data:`ROWWISE_RATE_ASSUMPTION` in
+    ``assume``; else none (tensorwise, the planner's default, or bf16)."""
+    p = str(row.get("precision") or "").lower()
+    if "float8" not in p or "rowwise" not in p:
+        return []
+    if assume is not None:
+        assume.append(ROWWISE_RATE_ASSUMPTION)
+    return ["--float8-recipe", "rowwise"]
 
 
 #: the published (in-sample) torchtitan 2024-12 rows that ran ``train_configs/llama3_405b.toml`` at
@@ -110,9 +131,9 @@ TORCHTITAN_2025 = RunsSection(TORCHTITAN_2025_RUNS, TORCHTITAN_2025_HEADING, (
     "8B on 32 and 64 H200s (`benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md`, float8 with FSDP float8",
     "all-gather) and torchao's float8 README's Llama 3 8B on 8 H100s (`torchao/float8/README.md`, 8c81863ba).",
     "Planned as the torchtitan rows of 2024-12 above are (`--framework torchtitan`, the 96GB device file at",
-    "500 W, `--compile`, `--tp-comm-overlap` for async TP, `--precision fp8` for float8 tensorwise); float8",
-    "rowwise scaling and FSDP2's float8 all-gather are not modelled: those rows are counted unsupported by",
-    "feature (`benchmarks/fidelity_torchtitan.py`). Nothing in the cost model was calibrated on them: they are",
+    "500 W, `--compile`, `--tp-comm-overlap` for async TP, `--precision fp8` for float8 tensorwise,",
+    "`--float8-recipe rowwise` for float8 rowwise, `--fsdp-float8-all-gather` for FSDP2's float8 all-gather;",
+    "`benchmarks/fidelity_torchtitan.py`). Nothing in the cost model was calibrated on them: they are",
     "kept out of `band.json`, the summary above and `benchmarks/calibrate_sustained.py`.", ""),
     groups=(("quantization", _quantization),
             ("TP", lambda r: "async" if r["parallelism"].get("async_tp") else "vanilla" if r["parallelism"]["tp"] > 1

@@ -1,6 +1,6 @@
 """The out-of-sample set of torchtitan's 2025 benchmarks (benchmarks/data/torchtitan-2025-runs.json,
-benchmarks/fidelity_torchtitan.py): every row expressed as the torchtitan_202412 rows are, or counted
-unsupported by the float8 feature it ran; the transcription against each row's quoted source line;
+benchmarks/fidelity_torchtitan.py): every row expressed as the torchtitan_202412 rows are, the rowwise
+rows with --float8-recipe rowwise; the transcription against each row's quoted source line;
 one command line by hand; the set kept out of the calibration."""
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ FID = _bench()
 FT = importlib.import_module("fidelity_torchtitan")  # benchmarks/ is on sys.path once fidelity.py is loaded
 TT: list[dict[str, Any]] = json.loads(FT.TORCHTITAN_2025_RUNS.read_text())
 ROWMAP = {r["id"]: r for r in TT}
-ROWWISE = "float8 rowwise scaling (torchao recipe_name rowwise: rowwise-scaled _scaled_mm, bf16 TP all-gathers)"
+ROWWISE_ROWS = ["torchtitan_202506_asynctp_70b_256gpu_rowwise_vanillatp", "torchtitan_202506_asynctp_70b_256gpu_rowwise_asynctp",
+                "torchtitan_202506_asynctp_8b_64gpu_rowwise_vanillatp", "torchtitan_202506_asynctp_8b_64gpu_rowwise_asynctp",
+                "torchtitan_202503_torchao_8b_8gpu_rowwise"]
 FP8_GATHER_ROWS = ["torchtitan_202503_torchao_8b_8gpu_tensorwise", "torchtitan_202506_h200_8b_32gpu_float8",
                    "torchtitan_202506_h200_8b_64gpu_float8"]
 
@@ -60,12 +62,15 @@ def test_every_row_is_expressed_or_unsupported_by_feature() -> None:
             assert case.metric == "tokens_per_sec_per_gpu" and case.gpus == row["hardware"]["num_gpus"]
             assert _opt(case.argv, "--framework") == "torchtitan" and "--compile" in case.argv
             assert ("--tp-comm-overlap" in case.argv) == row["parallelism"]["async_tp"]
-            assert _opt(case.argv, "--precision") == ("fp8" if "tensorwise" in row["precision"] else "bf16")
+            assert _opt(case.argv, "--precision") == ("fp8" if "float8" in row["precision"] else "bf16")
+            # torchao's rowwise recipe (--float8.recipe_name rowwise): the five rows that ran it
+            rowwise = row["id"] in ROWWISE_ROWS
+            assert (_opt(case.argv, "--float8-recipe") == "rowwise") if rowwise else "--float8-recipe" not in case.argv
+            assert (FT.ROWWISE_RATE_ASSUMPTION in case.assumptions) == rowwise
             # FSDP2's float8 all-gather (--float8.enable_fsdp_float8_all_gather): the three rows that ran it
             assert ("--fsdp-float8-all-gather" in case.argv) == (row["id"] in FP8_GATHER_ROWS)
-    assert set(unsupported) == {ROWWISE}
-    assert len(expressed) == 12 and len(unsupported[ROWWISE]) == 5
-    assert set(FP8_GATHER_ROWS) <= set(expressed)
+    assert unsupported == {}  # issue 26: no row unsupported for want of fp8
+    assert len(expressed) == 17 and set(FP8_GATHER_ROWS) | set(ROWWISE_ROWS) <= set(expressed)
 
 
 def test_the_measured_figures_are_the_quoted_source_lines() -> None:
@@ -126,7 +131,12 @@ def test_the_float8_features_name_only_these_rows() -> None:
     for f in ("published-runs.json", "moe-runs.json", "outside-runs.json", "nemo-runs.json", "nemo-long-runs.json",
               "foundry-runs.json"):
         assert all(FT.float8_unsupported(r) is None for r in json.loads((data / f).read_text())), f
-    assert FT.float8_unsupported(ROWMAP["torchtitan_202506_asynctp_8b_64gpu_rowwise_asynctp"]) == ROWWISE
+    assert FT.float8_unsupported(ROWMAP["torchtitan_202506_asynctp_8b_64gpu_rowwise_asynctp"]) is None  # modelled
+    assert FT.float8_recipe_flags(ROWMAP["torchtitan_202506_asynctp_8b_64gpu_rowwise_asynctp"]) == \
+        ["--float8-recipe", "rowwise"]
+    assert FT.float8_recipe_flags(ROWMAP["torchtitan_202506_asynctp_8b_64gpu_tensorwise_asynctp"]) == []
+    for f in ("published-runs.json", "moe-runs.json"):  # no in-sample row is rowwise: the summaries do not move
+        assert all(FT.float8_recipe_flags(r) == [] for r in json.loads((data / f).read_text())), f
     assert FT.float8_unsupported(ROWMAP["torchtitan_202506_h200_8b_64gpu_float8"]) is None  # modelled
     assert FT.fsdp_float8_flags(ROWMAP["torchtitan_202506_h200_8b_64gpu_float8"]) == ["--fsdp-float8-all-gather"]
     assert FT.float8_unsupported(ROWMAP["torchtitan_202506_asynctp_70b_256gpu_tensorwise_vanillatp"]) is None

@@ -79,6 +79,7 @@ class Links:
     ce_fusion: bool = False
     ce_kernel: str | None = None
     fsdp_float8_all_gather: bool = False
+    float8_recipe: str | None = None
     p2p_overlap: bool = True
     pp_scatter_gather: bool = False
     ep_comm_overlap: bool = False
@@ -100,6 +101,7 @@ class Links:
                        moe_routing=(self.moe_routing or "topk").strip().lower(),
                        ce_fusion=self.ce_fusion, ce_kernel=self.ce_kernel, p2p_overlap=self.p2p_overlap,
                        fsdp_float8_all_gather=self.fsdp_float8_all_gather,
+                       float8_recipe=None if self.float8_recipe is None else self.float8_recipe.strip().lower(),
                        pp_scatter_gather=self.pp_scatter_gather,
                        ep_comm_overlap=self.ep_comm_overlap, grad_overlap=self.grad_overlap,
                        tp_allreduce_overlap=self.tp_allreduce_overlap, wgrad_fusion=self.wgrad_fusion,
@@ -297,7 +299,7 @@ _SCATTER_GATHER_HELP = ("--framework megatron, tp > 1 without sequence paralleli
 
 
 def _add_compute_arguments(p: argparse.ArgumentParser) -> None:
-    """``--precision``, ``--framework`` and ``--attention-kernel``: what the step computes in and
+    """``--precision``, ``--framework``, ``--float8-recipe`` and ``--attention-kernel``: what the step computes in and
     with which framework's conventions and kernels."""
     p.add_argument("--precision", metavar="fp32|bf16|fp16|fp8",
                    help="what the GEMMs compute in: fp8 runs the linear layers' GEMMs on the fp8 tensor cores "
@@ -308,6 +310,11 @@ def _add_compute_arguments(p: argparse.ArgumentParser) -> None:
                         "NeMo: fp32 main gradients and master weights; default), torchtitan (FSDP2: fp32 "
                         "sharded parameters and gradients, bf16 compute copies) or automodel (NeMo AutoModel: "
                         "FSDP2 over bf16 parameters, bf16 Adam moments, the loss on bf16 logits)")
+    p.add_argument("--float8-recipe", dest="float8_recipe", metavar="tensorwise|rowwise",
+                   help="--precision fp8 --framework torchtitan: torchao's float8 recipe (torchtitan's "
+                        "--float8.recipe_name): tensorwise (default; per-tensor scales, float8 TP all-gathers) or "
+                        "rowwise (a scale per row, its backward operands re-scaled along the other axis from bf16, "
+                        "TP all-gathers in bf16)")
     p.add_argument("--attention-kernel", metavar="fa2|flash-attn|cudnn|triton",
                    help="the flash-attention kernel the run's model code calls, where it is not the framework's "
                         "(megatron: cudnn on Hopper, fa2 on Ampere; torchtitan: fa2): fa2 (FlashAttention-2, "

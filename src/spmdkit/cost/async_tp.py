@@ -17,7 +17,13 @@ What the sources show (torch 2.6 of December 2024, the torchtitan runs' nightly)
   output gradient (``NoopFwToFloat8BwDynamic`` after the output's ``redistribute``), are cast
   before their all-gathers (:mod:`spmdkit.cost.float8_tp`) and the gathered float8 tensors feed
   ``_scaled_mm`` GEMMs: fused alike (``fused_all_gather_scaled_matmul`` /
-  ``fused_scaled_matmul_reduce_scatter``).
+  ``fused_scaled_matmul_reduce_scatter``). Under torchao's rowwise recipe (``--float8-recipe
+  rowwise``, torch 38410cf9 of June 2025) the TP is plain and the float8 casts run on the gathered
+  bf16 tensor, between the all-gather and the ``_scaled_mm``: the all-gather-matmuls are not fused
+  (pytorch/pytorch#149990, open: "the matmul-reduce-scatters were being fused properly ... however,
+  the all-gather-matmul patterns were NOT being fused properly" with rowwise scales; the
+  matmul-reduce-scatter's rowwise support is pytorch/pytorch#149247, merged 2025-03): those
+  all-gathers stay NCCL's, the reduce-scatters are fused.
 - How a fused op runs (``torch/distributed/_symmetric_memory/__init__.py``):
   ``_pipelined_all_gather_and_consume`` consumes the local shard first while it is copied to the
   rank's symmetric buffer, then pulls one peer's shard at a time (a copy, no SMs) and runs its
@@ -127,6 +133,8 @@ def fused_window(plan: Plan, costs: list[OpCost], times: list[float], device: De
         for j in readers.get(tensor, ()):
             op = ops[j]
             if j < i or op.phase != phase or not costs[j].matmul or not _compiled(op.layer):
+                continue
+            if costs[j].fp8 and plan.runtime.float8_rowwise:  # cast after the gather: not fused (#149990)
                 continue
             role = next((k for k, v in op.inputs.items() if v == tensor), "")
             if op.phase == "forward" and role in ("x", "input"):

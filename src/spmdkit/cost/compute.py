@@ -42,7 +42,7 @@ from spmdkit.cost.moe import active_share, expert_op_cost, sorted_by_expert
 from spmdkit.cost.optimizer_step import megatron_update_cost
 from spmdkit.cost.recompute_modules import NORMS
 from spmdkit.cost.shards import local_numel
-from spmdkit.cost.torchao_casts import gather_degree, torchao_cast_bytes
+from spmdkit.cost.torchao_casts import gather_degree, rowwise_cast_bytes, torchao_cast_bytes
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
 from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, declared, facts_of
 from spmdkit.engine.memo import Recent, memo_enabled, memo_table
@@ -273,7 +273,7 @@ def float8_tp_gather_dims(plan: Plan) -> dict[str, tuple[int, ...]]:
 
 def _float8_tp(plan: Plan) -> tuple[Plan, frozenset[str], dict[str, tuple[int, ...]]]:
     rt = plan.runtime
-    if not (rt.fp8 and rt.framework == "torchtitan"):
+    if not (rt.fp8 and rt.framework == "torchtitan") or rt.float8_rowwise:  # rowwise: plain TP, bf16 gathers
         return plan, frozenset(), {}
 
     def make() -> tuple[Plan, frozenset[str], dict[str, tuple[int, ...]]]:
@@ -375,7 +375,8 @@ def _fp8(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     re-gather: :data:`FP8_PRE_GATHER` a shard element). Under ``--framework torchtitan`` the casts
     are torchao's instead (:mod:`spmdkit.cost.torchao_casts`: an amax pass and a cast pass whoever
     made the tensor, on the shard where it is gathered in float8, and the backward's transposed
-    float8 copies)."""
+    float8 copies; under ``--float8-recipe rowwise`` the rowwise recipe's casts, re-scales along
+    the other axis and the backward GEMMs' rescales: :func:`~spmdkit.cost.torchao_casts.rowwise_cast_bytes`)."""
     prog = plan.program
     op = prog.ops[i]
     if _canonical(op.rule) not in FP8_GEMMS or not c.gemms:
@@ -390,6 +391,10 @@ def _fp8(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
         weight = lop.one("y") or lop.one("weight")
         assert weight is not None  # gemm_dims read it
         gathers = float8_tp_gather_dims(plan)
+        if plan.runtime.float8_rowwise:  # torchao's rowwise recipe: its casts, re-scales and rescales
+            return replace(c, fp8=True, cast_bytes=rowwise_cast_bytes(
+                (b, m, n, k), math.prod(weight[0]), grad=op.rule.endswith("_grad"),
+                x_cast=i in layers.first_reads, x_transpose=i in layers.first_grad_reads))
         src, dy = _operand(prog, op, _INPUT_PARAMS, None), op.inputs.get("out_grad")
         return replace(c, fp8=True, cast_bytes=torchao_cast_bytes(
             (b, m, n, k), math.prod(weight[0]), grad=op.rule.endswith("_grad"), pre=pre,

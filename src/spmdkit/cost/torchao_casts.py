@@ -35,6 +35,49 @@ input transposed (2 B an element, once per distinct input). Under full AC the fo
 again in the recompute (the step re-runs the forward ops' cost). Not counted: the tiny second stage
 of the amax's split reduction and the scale computation (one element), and torchtitan's per-op SAC
 saving ``aten.max`` (the recomputed forward GEMMs are charged their amax again).
+
+torchao's **rowwise** recipe (``--float8-recipe rowwise``; torchao ``torchao/float8/config.py`` at
+6243040, 0afa4c1 and 890e0ac8, ``Float8LinearConfig.from_recipe_name("rowwise")``): input, weight and
+output gradient each cast with ``ScalingGranularity.AXISWISE`` to e4m3 (the gradient too),
+``round_scales_to_power_of_2``; all three GEMMs in float8. ``matmul_with_hp_or_float8_args``
+(``float8_linear.py``) saves the bf16 input and weight, casts the input along its last axis and the
+weight along its input axis in the forward (``axiswise_dim`` -1 / 0), and in the backward the output
+gradient along its last axis for the dgrad, and the weight, the output gradient and the input each
+*again from bf16* along the other axis for the dgrad / wgrad (an axiswise scale does not carry over
+to the transposed use). The kernels those casts run, and their bytes, are torchao's own roofline
+for the recipe (``torchao/testing/float8/roofline_utils.py`` at 6243040,
+``get_tensor_memory_traffic_ovhd_s``, ``float8_recipe_name == "rowwise"``, added d8af7d7b8):
+
+- a cast along the contiguous axis is one kernel, the amax of a row and its cast together: read bf16,
+  write float8 (:data:`ROW_CAST` = 3 B an element);
+- a cast along the other axis is a bf16 transpose then such a cast ("assume that we can't fuse 2 and
+  3 because that would require loading the entire tensor to shared memory"): 2 + 2 + 3
+  (:data:`ROW_CAST_T` = 7 B), as the roofline writes the weight's backward;
+- the output gradient, both of its casts in the backward: one kernel reads it once and writes its
+  float8 copy and its bf16 transpose (2 + 1 + 2), a second casts the transpose (2 + 1):
+  :data:`ROW_GRAD_OUT` = 8 B an element;
+- the input's forward cast (3 B, the first forward reader of each distinct input) and its backward
+  re-scale (7 B, the first backward reader): the roofline fuses the transpose into the forward
+  kernel, but torchao's code casts the saved bf16 input in the backward
+  (``matmul_with_hp_or_float8_args.backward``: ``hp_tensor_to_float8_dynamic(input_hp_reshaped, ...,
+  axiswise_dim=get_maybe_axiswise_dim(0, ...))``), so it is priced as the weight's is.
+
+No transposed float8 copy for ``_scaled_mm``: the roofline's casts write the layout the GEMM reads.
+The two backward GEMMs run ``use_fast_accum=False`` (``Float8LinearConfig``'s
+``gemm_config_grad_input`` / ``gemm_config_grad_weight``), and ``addmm_float8_unwrapped``
+(``float8_ops.py`` at 6243040) then calls cuBLAS's *tensorwise* kernel with unit scales and applies
+the row and column scales afterwards ("The rowwise CUTLASS-based kernel is so slow without
+fast-accum that we'd rather use the tensorwise cuBLAS-based kernel and do the scaling manually
+afterwards"): ``output *= post_inverse_scale``, a kernel of its own per GEMM under torch.compile
+(pytorch/ao#2184: "at least one extra triton kernel *per GEMM* ... just for the rescaling"), which
+reads and writes the bf16 output (:data:`RESCALE` = 4 B an element of dX and of dW). The forward
+GEMM (``use_fast_accum=True``) runs PyTorch's rowwise CUTLASS kernel; no source gives its rate
+against cuBLAS's tensorwise one at these shapes (pytorch/pytorch#147971, 2025-02: "most shapes are
+within 90-100% of tensor-wise efficiency, but there's a long tail going down to 50%", as a plot;
+torchao's roofline prices both at the same float8 peak), so it is priced at the tensorwise float8
+rate: an unsourced assumption (docs/devices.md). Under TP the recipe runs plain TP (torchtitan
+``parallelize_llama`` at 820504e: ``enable_float8_tensorwise_tp = enable_float8_linear and not
+float8_is_rowwise``): the all-gathers move bf16 and every cast runs on the gathered tensor.
 """
 
 from __future__ import annotations
@@ -49,6 +92,16 @@ from spmdkit.program.plan import Plan
 CAST = 5.0
 #: bytes an element of a float8 tensor copied transposed for ``_scaled_mm`` (read 1, write 1)
 TRANSPOSE = 2.0
+#: rowwise recipe (module docstring; torchao's roofline at 6243040): a cast along the contiguous
+#: axis (read bf16 2, write float8 1, one kernel)
+ROW_CAST = 3.0
+#: a cast along the other axis: a bf16 transpose (read 2, write 2), then a rowwise cast (3)
+ROW_CAST_T = 7.0
+#: the output gradient's two casts: its float8 copy and bf16 transpose in one pass (2 + 1 + 2), the
+#: transpose's cast (2 + 1)
+ROW_GRAD_OUT = 8.0
+#: the backward GEMMs' rescale (``output *= post_inverse_scale``): read and write the bf16 output
+RESCALE = 4.0
 
 
 def gather_degree(plan: Plan, gathers: Mapping[str, tuple[int, ...]], tensor: str | None) -> int:
@@ -76,4 +129,21 @@ def torchao_cast_bytes(gemm: tuple[int, int, int, int], weight: int, *, grad: bo
     return out + (TRANSPOSE * b * m * k if x_transpose else 0.0)
 
 
-__all__ = ["CAST", "TRANSPOSE", "gather_degree", "torchao_cast_bytes"]
+def rowwise_cast_bytes(gemm: tuple[int, int, int, int], weight: int, *, grad: bool, x_cast: bool,
+                       x_transpose: bool) -> float:
+    """Bytes of torchao's rowwise recipe's casts and rescales at a float8 GEMM op (the module
+    docstring): ``gemm`` its local ``(batch, m, n, k)``, ``weight`` its local weight's elements,
+    ``grad`` whether it is the linear's backward, ``x_cast`` / ``x_transpose`` whether this op casts
+    the input along its last axis (the forward's first reader of it) / re-scales it along its
+    other axis (the backward's first reader). The forward: the weight's cast and the input's;
+    the backward: the weight's re-scale, the output gradient's two casts, the input's re-scale and
+    the rescale of dX (``b m k``) and dW (the weight's elements)."""
+    b, m, n, k = gemm
+    if not grad:
+        return ROW_CAST * weight + (ROW_CAST * b * m * k if x_cast else 0.0)
+    out = ROW_CAST_T * weight + ROW_GRAD_OUT * b * m * n + RESCALE * (b * m * k + weight)
+    return out + (ROW_CAST_T * b * m * k if x_transpose else 0.0)
+
+
+__all__ = ["CAST", "RESCALE", "ROW_CAST", "ROW_CAST_T", "ROW_GRAD_OUT", "TRANSPOSE", "gather_degree",
+           "rowwise_cast_bytes", "torchao_cast_bytes"]

@@ -72,11 +72,31 @@ def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -
             "grad_accum": cf.grad_accum if cf.pp == 1 else None,
             "schedule": ("Interleaved1F1B" if cf.virtual > 1 else "1F1B") if cf.pp > 1 else None,
             "virtual_stages": cf.virtual if cf.pp > 1 else None,
+            **({"float8": f8} if (f8 := _float8(c)) is not None else {}),
             "predicted": {"step_s": c.step_s, "mfu": c.mfu, "memory_per_device": c.memory,
                           "tokens_per_s": global_batch * seq / c.step_s if c.step_s > 0 else None}}
 
 
+def _float8(c: Candidate) -> dict[str, Any] | None:
+    """torchtitan's ``[float8]`` for a plan priced with torchao's float8 linears (``--precision fp8
+    --framework torchtitan``), None otherwise: the output head left in bf16 (``filter_fqns``, as the
+    planner keeps it); the rowwise recipe by ``recipe_name`` (torchtitan 820504e
+    ``components/quantization/float8.py``: ``Float8LinearConfig.from_recipe_name``); tensorwise by
+    none, torchtitan's default, since a ``recipe_name`` asserts ``enable_fsdp_float8_all_gather`` off
+    (``--fsdp-float8-all-gather`` writes it and ``precompute_float8_dynamic_scale_for_fsdp`` on)."""
+    rt = c.plan.runtime
+    if not (rt.fp8 and rt.framework == "torchtitan"):
+        return None
+    out: dict[str, Any] = {"enable_fsdp_float8_all_gather": rt.fsdp_float8_all_gather,
+                           "precompute_float8_dynamic_scale_for_fsdp": rt.fsdp_float8_all_gather}
+    if rt.float8_recipe not in (None, "tensorwise"):
+        out["recipe_name"] = rt.float8_recipe
+    return {**out, "filter_fqns": ["output"]}
+
+
 def _toml(v: Any) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -115,6 +135,9 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
                            and r["ep"] > 1 else {})},
         "activation_checkpoint": _torchtitan_ac(r),
     }
+    if r.get("float8"):  # torchao's float8 linears: the converter and its [float8] section
+        sections["model"] = {"converters": ["float8"]}
+        sections["float8"] = r["float8"]
     if r["pp"] > 1:
         # Interleaved1F1B: torchtitan's looped schedules hold 2 stages a rank unless told otherwise
         sections["parallelism"].update({"pipeline_parallel_schedule": r["schedule"],

@@ -238,6 +238,9 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
               f"{sum(1 for o in prog.ops if o.phase == 'optimizer')} optimizer), {len(prog.tensors)} tensors; "
               f"propagation converged in {plan.rounds} sweep(s)"
               + (f", planned in {plan_seconds:.2f} s" if plan_seconds is not None else "") + "\n\n")
+    if plan.runtime.fp8 and plan.runtime.framework == "torchtitan":
+        r = plan.runtime.float8_recipe or "tensorwise"
+        out.write(f"float8: torchao's {r} recipe (--float8-recipe {r}; torchtitan's float8.recipe_name)\n\n")
     uneven = uneven_shards(plan)
     if uneven:  # said first, not only at the end of a long report
         u = uneven[0]
@@ -333,7 +336,7 @@ def plan_json(plan: Plan, memory: Memory | None = None, extra: dict[str, Any] | 
         extra = {**(extra or {}), "step": estimate.to_json()}
     return {"program": prog.name, "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names)},
             "rounds": plan.rounds, "ops": len(prog.ops), "grad_accum": plan.grad_accum,
-            "stored_sharded": sorted(plan.storage), **(extra or {}), "tensors": tensors, "reshards": reshards,
+            "runtime": plan.runtime.to_json(), "stored_sharded": sorted(plan.storage), **(extra or {}), "tensors": tensors, "reshards": reshards,
             "totals": totals,
             "kernel_collectives": [k.to_json() for k in kernel], "memory": mem.to_json(), "uneven_shards": [u.to_json() for u in uneven_shards(plan)]}
 

@@ -48,6 +48,15 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   gathered weight in the GEMM), its scale precomputed after each optimizer step
   (:func:`spmdkit.cost.compute.fp8_gathered`). With ``--precision fp8`` and ``--framework
   torchtitan`` only, on a plan that stores its parameters sharded (ZeRO-3).
+- ``float8_recipe``: torchao's float8 recipe (``--float8-recipe``; torchtitan's
+  ``--float8.recipe_name``, torchao ``Float8LinearRecipeName`` at 890e0ac8 / 6243040 / 0afa4c1):
+  ``tensorwise`` (the default: dynamic per-tensor scales, cuBLAS's tensorwise ``_scaled_mm``,
+  torchao's float8 TP) or ``rowwise`` (a scale per row of each operand, e4m3 for the gradients too,
+  power-of-2 scales; plain TP, its all-gathers in bf16: :mod:`spmdkit.cost.torchao_casts`).
+  ``rowwise_with_gw_hp`` is torchao's third name, refused: its weight-gradient GEMM runs in bf16
+  beside float8 ones, which the op's one precision cannot say. With ``--precision fp8 --framework
+  torchtitan`` only; rowwise refuses ``--fsdp-float8-all-gather`` as torchtitan does. None: not
+  given (tensorwise there).
 - ``p2p_overlap``: the interleaved pipeline's sends overlap the next unit's compute (Megatron's
   ``overlap_p2p_comm``, on by default since 2023); off (``--no-p2p-overlap``): every send blocks
   its sender, as Megatron-LM's ``batch_isend_irecv`` + ``torch.cuda.synchronize()`` of 2021-2022.
@@ -118,6 +127,10 @@ DISPATCHERS = ("alltoall", "deepep")
 ROUTINGS = ("topk", "balanced")
 #: ``--cross-entropy-kernel``: flash-attn's fused cross-entropy kernels (:mod:`spmdkit.cost.loss`)
 CE_KERNELS = ("flash-attn-xentropy", "flash-attn-triton", "compiled")
+#: ``--float8-recipe``: torchao's ``Float8LinearRecipeName`` values (``torchao/float8/config.py`` at
+#: 890e0ac8, 6243040 and 0afa4c1: the same three), which torchtitan's ``--float8.recipe_name`` takes
+#: (``torchtitan/config_manager.py`` at 820504e: ``Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]``)
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 #: ``--moe-skew NAME``: published per-expert load imbalances, the busiest expert's tokens over the
 #: mean (``1 + MaxVio``, ``1 + (max - mean) / mean``), and where each is from (docs/experts.md,
 #: "Routing skew: the published figures")
@@ -189,6 +202,7 @@ class Runtime:
     ce_fusion: bool = False
     ce_kernel: str | None = None
     fsdp_float8_all_gather: bool = False
+    float8_recipe: str | None = None
     p2p_overlap: bool = True
     pp_scatter_gather: bool = False
     ep_comm_overlap: bool = False
@@ -230,9 +244,35 @@ class Runtime:
             raise ProgramError(f"--fsdp-float8-all-gather: torchao's float8 all-gather under FSDP2 needs --precision fp8 "
                                f"and --framework torchtitan, not --precision {self.precision} --framework "
                                f"{self.framework}")
+        self._check_float8_recipe()
         if self.compile is not None and self.framework != "torchtitan":
             raise ProgramError(f"--{'' if self.compile else 'no-'}compile: applies to --framework torchtitan only "
                                f"(--framework {self.framework} runs fused Transformer Engine kernels)")
+
+    def _check_float8_recipe(self) -> None:
+        """``--float8-recipe`` where torchao's float8 linears run, and not with what torchtitan refuses."""
+        r = self.float8_recipe
+        if r is None:
+            return
+        if r not in FLOAT8_RECIPES:
+            raise ProgramError(f"--float8-recipe {str(r)[:40]!r}: expected one of {', '.join(FLOAT8_RECIPES)} "
+                               f"(torchao's Float8LinearRecipeName)")
+        if not (self.fp8 and self.framework == "torchtitan"):
+            raise ProgramError(f"--float8-recipe {r}: torchao's float8 recipe applies to --precision fp8 --framework "
+                               f"torchtitan only, not --precision {self.precision} --framework {self.framework}")
+        if r == "rowwise_with_gw_hp":
+            raise ProgramError("--float8-recipe rowwise_with_gw_hp: not modelled (its grad_weight GEMM runs in bf16 "
+                               "beside the float8 output and grad_input GEMMs: torchao Float8LinearConfig."
+                               "from_recipe_name); give tensorwise or rowwise")
+        if r == "rowwise" and self.fsdp_float8_all_gather:
+            raise ProgramError("--float8-recipe rowwise and --fsdp-float8-all-gather: torchao's float8 all-gather "
+                               "supports tensorwise scaling only (torchtitan asserts enable_fsdp_float8_all_gather "
+                               "off with a recipe_name); give one, not both")
+
+    @property
+    def float8_rowwise(self) -> bool:
+        """torchao's rowwise float8 recipe (``--float8-recipe rowwise``) runs the fp8 linears."""
+        return self.float8_recipe == "rowwise" and self.fp8 and self.framework == "torchtitan"
 
     def _check_loss(self) -> None:
         """``--cross-entropy-fusion`` and ``--cross-entropy-kernel`` where the framework has them."""
@@ -297,6 +337,8 @@ class Runtime:
             out["ce_kernel"] = self.ce_kernel
         if self.fsdp_float8_all_gather:
             out["fsdp_float8_all_gather"] = True
+        if self.fp8 and self.framework == "torchtitan":
+            out["float8_recipe"] = self.float8_recipe or "tensorwise"
         if not self.p2p_overlap:
             out["p2p_overlap"] = False
         if self.pp_scatter_gather:
@@ -387,5 +429,5 @@ def parse_moe_histogram(text: str | None) -> tuple[float, ...] | None:
     return tuple(float(v) for v in obj)
 
 
-__all__ = ["CE_KERNELS", "DISPATCHERS", "FRAMEWORKS", "ROUTINGS", "FSDP2", "PRECISIONS", "SKEW_FIGURES", "Runtime", "parse_moe_histogram",
+__all__ = ["CE_KERNELS", "DISPATCHERS", "FLOAT8_RECIPES", "FRAMEWORKS", "ROUTINGS", "FSDP2", "PRECISIONS", "SKEW_FIGURES", "Runtime", "parse_moe_histogram",
            "parse_moe_skew", "parse_precision", "reduces_each_microstep", "skew_label"]
