@@ -89,16 +89,13 @@ def attention_argv(row: dict[str, Any], assume: list[str]) -> list[str]:
     """MPT's attention kernel: ``attn_impl: triton`` in every row (``scripts/train/benchmarking/
     submit_benchmarks.py`` ``--attn_impl`` default ``triton`` at 300cc5c58, b2a43a147 and 5e85bd62d,
     written into the yaml's ``attn_config``; ``triton-pre-mlir`` an install requirement of all three),
-    llm-foundry's copy of flash-attention's pre-MLIR Triton kernel: ``--attention-kernel triton``
-    where a source measured it (A100: the FlashAttention-2 paper's Figure 4); on H100 none did, so
-    the row keeps the framework's kernel and says so."""
-    if str(row["hardware"]["gpu"]).startswith("A100"):
-        assume.append("MPT attn_impl triton (submit_benchmarks.py default): flash-attention's pre-MLIR Triton kernel "
-                      "(--attention-kernel triton, FlashAttention-2 paper Fig. 4 rates)")
-        return ["--attention-kernel", "triton"]
-    assume.append("MPT attn_impl triton (submit_benchmarks.py default) on H100: no published rates of the pre-MLIR "
-                  "Triton kernel on Hopper, planned as torchtitan's FlashAttention-2 (torch SDPA) rates")
-    return []
+    llm-foundry's copy of flash-attention's pre-MLIR Triton kernel: ``--attention-kernel triton``,
+    FlashAttention v1's rates on the row's GPU (docs/devices.md, "The pre-MLIR Triton kernel")."""
+    del row
+    assume.append("MPT attn_impl triton (submit_benchmarks.py default): flash-attention's pre-MLIR Triton kernel "
+                  "(--attention-kernel triton: FlashAttention v1's rates, which its docstring says it is 'slightly "
+                  "slower' than; both run mma.sync on A100 and H100)")
+    return ["--attention-kernel", "triton"]
 
 
 FOUNDRY = RunsSection(FOUNDRY_RUNS, FOUNDRY_HEADING, (

@@ -1,8 +1,12 @@
 """Each flash-attention kernel's shape on a GPU (:attr:`spmdkit.cost.rates.Rates.attention_shape`:
 ``S0``, ``D0``, the causal share) fitted to the kernel's own published bars and nothing else:
 
-- ``a100 triton``: the FlashAttention-2 paper's Figure 4, "FlashAttention Triton" (forward + backward,
-  :data:`~spmdkit.cost.rates.TRITON_A100_FIG4`);
+- ``a100 triton`` and ``h100 triton`` (MPT's pre-MLIR Triton kernel, priced as FlashAttention v1, which
+  its docstring compares it with): the flash-attention repo's forward + backward figures on A100 (the
+  FlashAttention-2 paper's Figure 4) and H100, "FlashAttention" (:data:`~spmdkit.cost.rates.FA1_A100_FIG4`,
+  :data:`~spmdkit.cost.rates.FA1_H100_PAIR`);
+- ``a100 triton-fig4``: the same A100 figure's "FlashAttention Triton" (OpenAI's ``triton.ops.flash_attention``,
+  not MPT's kernel; :data:`~spmdkit.cost.rates.TRITON_A100_FIG4`), the ``triton`` rates before, kept as a record;
 - ``a100 fa2``: the same figure, "FlashAttention-2" (:data:`~spmdkit.cost.rates.FA2_A100_FIG4`);
 - ``h100 fa2``: FlashAttention-2 on H100 SXM5, forward + backward (the flash-attention repo's
   assets/flash2_h100_fwd_bwd_benchmark.png, :data:`~spmdkit.cost.rates.FA2_H100_PAIR`) and the
@@ -36,6 +40,8 @@ import math
 from typing import NamedTuple
 
 from spmdkit.cost.rates import (
+    FA1_A100_FIG4,
+    FA1_H100_PAIR,
     FA2_A100_FIG4,
     FA2_H100_PAIR,
     FA3_H100_BWD,
@@ -111,7 +117,9 @@ def points(gpu: str, kernel: str, with_te: bool = False) -> list[Point]:
     """Every transcribed point of ``kernel`` on ``gpu`` (head dim 256 included); ``with_te``: the
     Transformer Engine measurements too (h100 only)."""
     if gpu == "a100":
-        return _pair({"triton": TRITON_A100_FIG4, "fa2": FA2_A100_FIG4}[kernel])
+        return _pair({"triton": FA1_A100_FIG4, "triton-fig4": TRITON_A100_FIG4, "fa2": FA2_A100_FIG4}[kernel])
+    if kernel == "triton":
+        return _pair(FA1_H100_PAIR)
     out = _pair(FA2_H100_PAIR) if kernel == "fa2" else []
     out += [Point("fwd", c, d, s, t) for (k, c, d), bars in FA3_H100_FWD.items() if k == kernel
             for s, t in zip(SEQS, bars)]
@@ -120,7 +128,8 @@ def points(gpu: str, kernel: str, with_te: bool = False) -> list[Point]:
     return out + te_points(kernel) if with_te else out
 
 
-FITS = (("a100", "triton"), ("a100", "fa2"), ("h100", "fa2"), ("h100", "cudnn"))
+FITS = (("a100", "triton"), ("h100", "triton"), ("a100", "triton-fig4"), ("a100", "fa2"), ("h100", "fa2"),
+        ("h100", "cudnn"))
 
 
 def shape(s0: float, d0: float, causal: bool, head_dim: int, seq: int) -> float:

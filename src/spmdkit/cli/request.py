@@ -321,7 +321,8 @@ def _add_compute_arguments(p: argparse.ArgumentParser) -> None:
                         "torch's scaled_dot_product_attention), flash-attn (FlashAttention-2 from Dao's flash-attn "
                         "package, as Transformer Engine runs it with NVTE_FUSED_ATTN=0), cudnn (Transformer "
                         "Engine's fused attention) or triton (flash-attention's pre-MLIR Triton kernel, MPT's "
-                        "attn_impl: triton; rates on A100 only)")
+                        "attn_impl: triton; priced at FlashAttention v1's rates, which its docstring compares it "
+                        "with)")
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
