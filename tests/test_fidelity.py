@@ -836,6 +836,29 @@ def test_nemo_qwen3_30b_rows_name_what_their_sources_leave_open() -> None:
     assert "Fixed in 26.02.01 (r0.3.1)" in NEMO["nemo260201_h100_fp8_qwen3_235b_a22b_256gpu"]["assumptions"][0]
 
 
+MBRIDGE: dict[str, dict[str, Any]] = {r["id"]: r for r in json.loads(FID.MBRIDGE_RUNS.read_text())}
+
+
+def test_mbridge_pr3868_row_is_expressed_as_its_comment_states_it() -> None:
+    # PR #3868's handoff: 2 nodes x 8 H100, BF16, EP 16, TP 1, PP 1, CP 1, MBS 1, GBS 1024, alltoall
+    # (--moe_flex_dispatcher_backend None), no EP overlap; eager 41.36 s a step (iterations 5-8). ETP 1: the
+    # expert DP 16 / 16 = 1, 1024 / 16 = 64 microbatches of 1; the recipe's bf16 gradients, forced balance
+    row = MBRIDGE["nemo_mbridge_pr3868_h100_bf16_qwen3_30b_a3b_16gpu"]
+    with tempfile.TemporaryDirectory() as d:
+        case = FID.express(row, Path(d))
+    argv = case.argv
+    assert case.metric == "step_time_s" and case.measured == 41.36 and case.gpus == 16
+    assert _opt(argv, "--mesh") == "dp=1,ep=16,tp=1" and _opt(argv, "--strategy") == "dp,ep,zero1"
+    assert _opt(argv, "--batch") == "16" and _opt(argv, "--grad-accum") == "64" and _opt(argv, "--precision") == "bf16"
+    assert _opt(argv, "--moe-dispatcher") == "alltoall" and _opt(argv, "--moe-routing") == "topk"
+    assert "--ep-comm-overlap" not in argv and "--tp-comm-overlap" not in argv and _opt(argv, "--grad-dtype") == "bf16"
+    assert row["measured"]["tokens_per_sec_per_gpu"] == 6338  # 1024 x 4096 / 41.36 / 16
+    assert "memory_gib_max" not in row["measured"]  # PR #3880's 61.35 GB is another run's
+    calibrate = (ROOT / "benchmarks" / "calibrate_sustained.py").read_text()
+    assert FID.MBRIDGE_RUNS in [x.path for x in FID.EXTRA_RUNS] and "mbridge" not in calibrate
+    assert not set(MBRIDGE) & {r["id"] for r in ROWS} and not set(MBRIDGE) & set(NEMO)
+
+
 def test_nemo_runs_are_kept_out_of_the_band_and_the_calibration() -> None:
     calibrate = (ROOT / "benchmarks" / "calibrate_sustained.py").read_text()
     assert "NEMO_RUNS" not in calibrate and "nemo-runs" not in calibrate and "fidelity.RUNS" in calibrate
