@@ -82,6 +82,9 @@ NEMO_LONG_RUNS = Path(__file__).resolve().parent / "data" / "nemo-long-runs.json
 #: NeMo's later performance summaries (25.09 to 26.06, Megatron-Bridge's archive): the DGX-H100 pre-training
 #: rows of the catalog's models, an out-of-sample check (benchmarks/data/nemo-runs.json, the same schema)
 NEMO_RUNS = Path(__file__).resolve().parent / "data" / "nemo-runs.json"
+#: runs Megatron-Bridge's maintainers measured in their pull requests (Qwen3-30B-A3B on 16 H100s, PR #3868): an
+#: out-of-sample check (benchmarks/data/mbridge-runs.json, the same schema; mbridge-runs.md)
+MBRIDGE_RUNS = Path(__file__).resolve().parent / "data" / "mbridge-runs.json"
 GIB = 1024**3
 
 
@@ -1122,11 +1125,19 @@ NEMO_INTRO = (
     "and fused cross-entropy; the MoE rows' dispatcher, a2a overlap and forced balance or token drop as",
     "moe-runs.json's are); compared in tokens/s/GPU. Nothing in the cost model was calibrated on them: they",
     "are kept out of `band.json`, the summary above and `benchmarks/calibrate_sustained.py`.", "")
+MBRIDGE_HEADING = "## Out-of-sample check: Megatron-Bridge's pull-request runs"
+MBRIDGE_INTRO = (
+    "The runs of `benchmarks/data/mbridge-runs.json`: steps Megatron-Bridge's maintainers measured in their pull",
+    "requests on a layout the planner can make (PR #3868: Qwen3-30B-A3B on 16 H100s, BF16, TP 1, PP 1, EP 16,",
+    "the alltoall dispatcher, eager), each with the recipe of the branch it ran (`benchmarks/data/mbridge-runs.md`).",
+    "Expressed as the NeMo rows above are; compared in seconds a step. Nothing in the cost model was calibrated",
+    "on them: they are kept out of `band.json`, the summary above and `benchmarks/calibrate_sustained.py`.", "")
 #: the runs files planned apart from the calibration (out of band.json, of the published runs' summary
 #: and of benchmarks/calibrate_sustained.py), each a section of docs/fidelity.md after the MoE runs
 EXTRA_RUNS: list[RunsSection] = [RunsSection(OUTSIDE_RUNS, OUTSIDE_HEADING, OUTSIDE_INTRO),
                                  RunsSection(NEMO_LONG_RUNS, NEMO_LONG_HEADING, NEMO_LONG_INTRO),
-                                 RunsSection(NEMO_RUNS, NEMO_HEADING, NEMO_INTRO), FOUNDRY, TORCHTITAN_2025]
+                                 RunsSection(NEMO_RUNS, NEMO_HEADING, NEMO_INTRO),
+                                 RunsSection(MBRIDGE_RUNS, MBRIDGE_HEADING, MBRIDGE_INTRO), FOUNDRY, TORCHTITAN_2025]
 
 
 def extra_section(x: RunsSection, res: list[dict[str, Any]], uns: dict[str, list[str]], s: dict[str, Any],
@@ -1163,7 +1174,7 @@ def main() -> int:
                          "layer's forward and backward halves beside the measured ones")
     ap.add_argument("--section", action="store_true",
                     help="print the section of docs/fidelity.md of the one --runs file given, an out-of-sample "
-                         "set (benchmarks/data/{outside,nemo-long,nemo,foundry,torchtitan-2025}-runs.json), for the runs planned")
+                         "set (benchmarks/data/{outside,nemo-long,nemo,mbridge,foundry,torchtitan-2025}-runs.json), for the runs planned")
     a = ap.parse_args()
     runs = a.runs or [str(RUNS)]
     section = next((x for x in EXTRA_RUNS if len(runs) == 1 and Path(runs[0]).resolve() == x.path), None)

@@ -31,6 +31,17 @@ TAGS = {  # release -> (Bridge tag, commit, date): the tag cut for the container
     "26.06": ("v0.5.0", "fcbb6031103d0ca845c1a54d4fee55ecfcca17b6", "2026-06-16"),
 }
 
+#: how each release's container is tied to its Megatron-Bridge version (the tag of :data:`TAGS`)
+TAG_SOURCES = {
+    **{rel: (f"stated: Megatron-Bridge docs/releases/software-versions.md at {HEAD[:10]}, 'NeMo Framework {rel}': "
+             f"Megatron-Bridge {ver}") for rel, ver in (("25.09", "0.1.0rc3"), ("25.11", "0.2.0"), ("26.02", "0.3.0"),
+                                                        ("26.04", "0.4.0"), ("26.06", "0.5.0"))},
+    "26.02.01": (f"stated: Megatron-Bridge docs/releases/known-issues.md at {HEAD[:10]}, '## 26.02': '... Fixed in "
+                 "26.02.01 (r0.3.1)'"),
+    "26.04.01": ("inferred: software-versions.md names no 26.04.01 container; v0.4.1 is the tag cut (2026-05-06) "
+                 "before the table (2026-05)"),
+}
+
 MODELS = {
     "LLAMA3_8B": ("llama3_8b", {"name": "Llama 3 8B", "layers": 32, "hidden": 4096, "ffn_hidden": 14336, "heads": 32}),
     "LLAMA3_70B": ("llama3_70b", {"name": "Llama 3 70B", "layers": 80, "hidden": 8192, "ffn_hidden": 28672, "heads": 64}),
@@ -172,6 +183,10 @@ def row(rel, tag, commit, date, base, note, header, line, d):
                             "the fp8 one (Llama 3 70B: PP 8, CP 1 where bf16 is PP 4, CP 2; Llama 3 8B: CP 1 and Megatron "
                             "FSDP where bf16 is CP 2; Qwen3-30B: MBS 2 where bf16 is 1); fp8_ds (delayed scaling) has the "
                             "same layouts: current scaling assumed, as 25.11 states for the same H100 runs")
+    if key == "deepseek_v3":
+        inf["precision"] += ("; Megatron-Bridge's known issues for 25.09 (docs/releases/known-issues.md): 'Pretraining "
+                             "DeepSeek in subchannel FP8 precision is not working. Pretraining DeepSeek with current scaling "
+                             "FP8 is a workaround'")
     dp_all = gpus // (tp * pp * cp)
     par = {"tp": tp, "pp": pp, "cp": cp, "vp_chunks": vp or 1,
            "schedule": "interleaved" if (vp or 1) > 1 else None, "sequence_parallel": tp > 1,
@@ -275,9 +290,13 @@ def row(rel, tag, commit, date, base, note, header, line, d):
             if tag in ("v0.3.0", "v0.3.1"):
                 disp, a2a = "deepep", True
                 inf["parallelism.dispatcher"] = ("QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 at v0.3.0 (the table's layout: "
-                                                 "PP 2, VP 12, EP 8): moe_flex_dispatcher_backend='deepep', moe_a2a_overlap=True"
-                                                 + ("; v0.3.1's preset moved to EP 16 / hybridep, which the 26.02.01 table's "
-                                                    "layout (EP 8, PP 2, VP 12) is not: v0.3.0's preset taken" if tag == "v0.3.1" else ""))
+                                                 "PP 2, VP 12, EP 8): moe_flex_dispatcher_backend='deepep', moe_a2a_overlap=True; "
+                                                 "qwen3_30b_a3b_pretrain_config_h100 passes the backend to the recipe "
+                                                 "(apply_flex_dispatcher_backend: moe_token_dispatcher_type 'flex' on sm 9.x)"
+                                                 + ("; v0.3.1's preset is EP 16, PP 1, moe_flex_dispatcher_backend='hybridep', "
+                                                    "moe_a2a_overlap=False (f29a269f8, #2477, merged into r0.3.0 by 69655bff2 "
+                                                    "on 2026-03-03), which the 26.02.01 table's layout (EP 8, PP 2, VP 12) is "
+                                                    "not: v0.3.0's preset taken (the row's assumptions)" if tag == "v0.3.1" else ""))
             elif tag >= "v0.4":
                 disp, a2a = "hybridep", False
                 inf["parallelism.dispatcher"] = (f"QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 at {tag}: EP 16, "
@@ -288,42 +307,71 @@ def row(rel, tag, commit, date, base, note, header, line, d):
                                                  "(Megatron-Core's alltoall dispatcher), moe_a2a_overlap=True")
             else:
                 disp, a2a = "alltoall", False
-                inf["parallelism.dispatcher"] = ("25.09 yaml: no dispatcher override, the recipe's alltoall; token drop "
-                                                 "(apply_moe_token_drop: 'moe_expert_capacity_factor only works with alltoall')")
+                inf["parallelism.dispatcher"] = ("run_script.py at v0.1.0rc3: qwen3_30b_a3b_pretrain_config (the provider's "
+                                                 "moe_token_dispatcher_type 'alltoall') then apply_moe_token_drop "
+                                                 "('moe_expert_capacity_factor only works with alltoall token dispatcher'); "
+                                                 "no a2a overlap set")
+            if tag == "v0.1.0rc3":
+                inf["parallelism.overlaps"] = ("run_script.py at v0.1.0rc3: CommOverlapConfig(tp_comm_overlap=True), which "
+                                               "CommOverlapConfig._get_model_comm_overlap_cfgs disables at TP 1")
         elif key == "qwen3_235b_a22b":
             if tag == "v0.1.0rc3":
                 disp, a2a = "alltoall", False
-                inf["parallelism.dispatcher"] = ("25.09 yaml: no dispatcher override, the recipe's alltoall (token drop "
-                                                 "needs it); no a2a overlap")
+                inf["parallelism.dispatcher"] = ("run_script.py at v0.1.0rc3: qwen3_235b_a22b_pretrain_config (the provider's "
+                                                 "moe_token_dispatcher_type 'alltoall') then apply_moe_token_drop (which "
+                                                 "needs alltoall); no a2a overlap set")
+                overlaps.insert(0, "--tp-comm-overlap")
+                inf["parallelism.overlaps"] = ("run_script.py at v0.1.0rc3: qwen3_235b_a22b_pretrain_config(comm_overlap_config="
+                                               "CommOverlapConfig(tp_comm_overlap=True)); TP 2 with sequence parallelism "
+                                               "(apply_perf_matrix_overrides), so _get_model_comm_overlap_cfgs keeps it: TE's "
+                                               "userbuffers TP overlap with its default config (COMM_OVERLAP_CONFIG_MAP has no "
+                                               "qwen3 entry)")
             else:
                 disp, a2a = "alltoall", True
-                inf["parallelism.dispatcher"] = (f"QWEN3_235B_A22B H100 FP8_CS preset at {tag}: no flex backend (alltoall), "
-                                                 "moe_a2a_overlap=True")
-            inf["parallelism.overlaps"] = "qwen3_235b_a22b_h100_config: CommOverlapConfig(tp_comm_overlap=False)"
+                inf["parallelism.dispatcher"] = (f"QWEN3_235B_A22B H100 FP8_CS preset at {tag}: moe_a2a_overlap=True; "
+                                                 "the alltoall dispatcher" + (
+                                                     ": the preset names no flex backend" if tag in ("v0.2.0", "v0.3.0") else
+                                                     ": BASE_QWEN3_235B_A22B_CONFIG's moe_flex_dispatcher_backend='deepep' "
+                                                     "(5c38201c9, #2351) is overridden by qwen3_235b_a22b_pretrain_config_h100's "
+                                                     "moe_token_dispatcher_type = 'alltoall'" if tag == "v0.3.1" else
+                                                     ": no flex backend, and set_workload_base_configs sets "
+                                                     "moe_token_dispatcher_type 'alltoall' when the preset names none"))
+                inf["parallelism.overlaps"] = (f"qwen3_235b_a22b H100 config function at {tag}: "
+                                               "CommOverlapConfig(tp_comm_overlap=False)")
             par["stages"] = [2] + [3] * 30 + [2]
             basis["parallelism.stages"] = "stated_companion"
             inf["parallelism.stages"] = ("qwen3_235b_a22b_pretrain_config: account_for_embedding_in_pipeline_split and "
                                          "account_for_loss_in_pipeline_split True: (94 + 2) / (8 x 4) = 3 a virtual stage, "
                                          "the first and last 2 decoder layers")
         else:  # deepseek
-            disp, a2a = "deepep", False
-            inf["parallelism.dispatcher"] = ("setup_experiment.py at v0.1.0rc3: enable_deepep = gpu == 'h100' (DeepEP on "
-                                             "H100: the recipe's enable_deepep -> moe_token_dispatcher_type 'flex', "
-                                             "moe_enable_deepep); the 25.09 yaml sets no a2a overlap")
+            disp, a2a = "deepep", True
+            inf["parallelism.dispatcher"] = ("run_script.py at v0.1.0rc3 (DeepSeek-V3): enable_deepep = gpu == 'h100' (not "
+                                             "token drop on H100) passed to deepseek_v3_pretrain_config: "
+                                             "moe_token_dispatcher_type 'flex', moe_enable_deepep True, "
+                                             "moe_router_force_load_balancing True (setup_experiment.py's enable_deepep only "
+                                             "sets the layernorm SM margin)")
             par["stages"] = [1] + [2] * 30 + [0]
             basis["parallelism.stages"] = "stated_companion"
             inf["parallelism.stages"] = ("the 25.09 yaml's pipeline_model_parallel_layout 'Et|(tt|)*30mL': the embedding "
                                          "and 1 decoder layer, 30 virtual stages of 2 layers, the MTP module and the loss "
                                          "last (8 x 4 = 32 virtual stages)")
-            recompute = "selective"
-            inf["recompute"] = ("the 25.09 yaml: recompute_granularity 'selective', recompute_modules left None "
-                                "(Megatron-Core's default ['core_attn'])")
+            recompute = "selective:mla_up_proj,mlp"
+            inf["recompute"] = ("run_script.py at v0.1.0rc3: recipe.model.recompute_modules = ['mla_up_proj', 'mlp'] on "
+                                "H100; the 25.09 yaml's recompute_granularity 'selective' (perf_matrix sets no "
+                                "recompute_num_layers)")
+            overlaps.remove("--overlap-grad-reduce")
+            inf["parallelism.overlaps"] = ("run_script.py at v0.1.0rc3: recipe.comm_overlap.overlap_grad_reduce = False on "
+                                           "H100, which CommOverlapConfig._override_user_cfgs puts over the DDP config's "
+                                           "True; overlap_param_gather stays True (data parallel > 1)")
         par["dispatcher"] = disp
-        basis["parallelism.dispatcher"] = "stated_companion" if key != "deepseek_v3" else "inferred"
+        basis["parallelism.dispatcher"] = "stated_companion"
         if a2a:
             par["ep_comm_overlap"] = "moe_a2a_overlap: overlap_moe_expert_parallel_comm, delay_wgrad_compute"
             basis["parallelism.ep_comm_overlap"] = "stated_companion"
-            inf["parallelism.ep_comm_overlap"] = "set_moe_a2a_overlap_overrides (helpers.py): overlap_moe_expert_parallel_comm = True, delay_wgrad_compute = True"
+            inf["parallelism.ep_comm_overlap"] = (
+                "run_script.py at v0.1.0rc3: A2A_1F1B = gpu == 'h100': recipe.comm_overlap.overlap_moe_expert_parallel_comm "
+                "= True, delay_wgrad_compute = True, moe_shared_expert_overlap = False" if key == "deepseek_v3" else
+                "set_moe_a2a_overlap_overrides (helpers.py): overlap_moe_expert_parallel_comm = True, delay_wgrad_compute = True")
         if tokendrop:
             par["routing"] = "balanced"
             inf["parallelism.routing"] = ("'(tokendrop)': apply_moe_token_drop (moe_token_drop.py) with its defaults "
@@ -337,7 +385,9 @@ def row(rel, tag, commit, date, base, note, header, line, d):
                                           "express it: spmdkit --moe-routing topk")
         basis["parallelism.routing"] = "stated_companion"
         if key != "deepseek_v3":
-            inf["recompute"] = "set_qwen3_common_configs: recompute_granularity / method / num_layers = None"
+            inf["recompute"] = ("the 25.09 yaml's model overrides: recompute_granularity / method / num_layers null"
+                                if tag == "v0.1.0rc3" else
+                                "set_qwen3_common_configs: recompute_granularity / method / num_layers = None")
     basis["parallelism.overlaps"] = "stated_companion"
     par["overlaps"] = " ".join(overlaps)
     par["grad_accum"] = gbs // ((par["dp"] * (par["ep"] // (par["tp"] if moe and tp > 1 else 1)) if moe else par["dp"]) * mbs)
@@ -358,17 +408,17 @@ def row(rel, tag, commit, date, base, note, header, line, d):
 
 def _assumptions(rel: str, tag: str, key: str, par: dict, prec_cell: str | None) -> list[str]:
     """What the planner runs differently from the row's recipe, or what the row infers (fidelity.md lists them)."""
-    out = [f"the recipe of Megatron-Bridge {tag} (the tag cut before the {rel} table; the container's version of "
-           "it not stated)",
+    out = [f"the recipe of Megatron-Bridge {tag} (the container's version: {TAG_SOURCES[rel]})",
            "FP8 per-tensor current scaling planned as --precision fp8, whose casts take the amax in the cast kernel "
            "(delayed scaling's; Transformer Engine's current scaling runs an amax pass before the cast)"]
     if prec_cell is None:
         out.append("FP8 (25.09's table states no precision; its layouts are the yaml's fp8 entries)")
-    if key == "qwen3_30b_a3b" and tag == "v0.3.1":
-        out.append("v0.3.0's H100 preset (DeepEP, a2a overlap): v0.3.1's (EP 16, HybridEP) is not the table's layout")
+    out += _run_doubts(rel, key)
     if key == "deepseek_v3":
-        out.append("DeepEP (inferred: 25.09's Megatron-Bridge script setup_experiment enables it on H100); selective recompute of "
-                   "Megatron-Core's default core_attn")
+        out.append("DeepEP with the 1F1B a2a overlap and the selective recompute of mla_up_proj and mlp (run_script.py's "
+                   "H100 branch); its overlap_grad_reduce False (the gradients reduce-scattered after the last backward) "
+                   "is planned overlapped under the backward, as every row: benchmarks/fidelity.py passes no "
+                   "--no-grad-overlap (the row's parallelism.overlaps states the recipe)")
     if par.get("routing") == "topk":
         out.append("forced load balancing (random router logits) planned as --moe-routing topk's expected load, as "
                    "moe-runs.json's Megatron rows")
@@ -376,6 +426,28 @@ def _assumptions(rel: str, tag: str, key: str, par: dict, prec_cell: str | None)
         out.append("token drop at capacity factor 1.0, padded to capacity: every expert its capacity "
                    "(--moe-routing balanced)")
     return out
+
+
+def _run_doubts(rel: str, key: str) -> list[str]:
+    """What the sources leave undetermined about the run behind a row (issue 28): the table's layout against its
+    release's preset, and the releases' known issues."""
+    if key != "qwen3_30b_a3b":
+        return []
+    if rel == "25.11":
+        return ["run not determined: the table's MBS 2, VP 24 (GA 32) are not v0.2.0's QWEN3_30B_A3B_H100_FP8_CS_BASE_CONFIG "
+                "(MBS 1, VP 12: its micro_batch_size=2 was dropped when moe_a2a_overlap=True came in, 8aed9a229, #1457, "
+                "2025-11-21) but the 25.09 yaml's fp8_cs entry; planned with the table's layout and v0.2.0's a2a overlap"]
+    if rel == "26.02":
+        return ["run not determined: the recipe asks for DeepEP, while Megatron-Bridge's known issues for 26.02 say 'DeepEP "
+                "is not supported in the current NeMo framework 26.02 container' (and Megatron-Core's _DeepepManager raises "
+                "ImportError without deep_ep); the same recipe measured 9058 tokens/s/GPU in 26.02.01; planned with DeepEP "
+                "as the recipe states"]
+    if rel == "26.02.01":
+        return ["run not determined: the table's layout (EP 8, PP 2, VP 12) is v0.3.0's preset, not v0.3.1's (EP 16, PP 1, "
+                "HybridEP, no a2a overlap), and the measured 9058 tokens/s/GPU is within 2% of 26.04's 8901 and 26.04.01's "
+                "8960, which ran that EP 16 HybridEP preset; planned as the table states it, with v0.3.0's DeepEP and a2a "
+                "overlap"]
+    return []
 
 
 if __name__ == "__main__":

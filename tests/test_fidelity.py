@@ -801,6 +801,64 @@ def test_nemo_qwen3_235b_row_is_expressed_as_its_recipe_ran_it() -> None:
     assert _opt(argv, "--stages") == ",".join(["2"] + ["3"] * 30 + ["2"]) and _opt(argv, "--model") == "qwen3-235b-a22b"
 
 
+def test_nemo_2509_moe_rows_are_expressed_as_run_script_ran_them() -> None:
+    # Megatron-Bridge v0.1.0rc3 scripts/performance/run_script.py, DeepSeek-V3 on H100: enable_deepep (flex
+    # dispatcher, DeepEP), A2A_1F1B (overlap_moe_expert_parallel_comm, delay_wgrad_compute), recompute_modules
+    # ['mla_up_proj', 'mlp'] and comm_overlap.overlap_grad_reduce = False; Qwen3-235B-A22B with
+    # CommOverlapConfig(tp_comm_overlap=True), kept at TP 2 with sequence parallelism
+    dsv3 = NEMO["nemo2509_h100_fp8_deepseek_v3_1024gpu_dropless"]
+    with tempfile.TemporaryDirectory() as d:
+        argv = FID.express(dsv3, Path(d)).argv
+    assert _opt(argv, "--moe-dispatcher") == "deepep" and "--ep-comm-overlap" in argv
+    assert _opt(argv, "--recompute") == "selective:mla_up_proj,mlp" and _opt(argv, "--moe-routing") == "topk"
+    assert dsv3["parallelism"]["overlaps"] == "--overlap-param-gather" and "--no-grad-overlap" not in argv
+    assert dsv3["basis"]["parallelism.dispatcher"] == "stated_companion"
+    with tempfile.TemporaryDirectory() as d:
+        argv = FID.express(NEMO["nemo2509_h100_fp8_qwen3_235b_a22b_256gpu_tokendrop"], Path(d)).argv
+    assert "--tp-comm-overlap" in argv and "--ep-comm-overlap" not in argv and _opt(argv, "--moe-routing") == "balanced"
+    with tempfile.TemporaryDirectory() as d:  # TP 1: run_script's tp_comm_overlap=True is dropped
+        argv = FID.express(NEMO["nemo2509_h100_fp8_qwen3_30b_a3b_16gpu_tokendrop"], Path(d)).argv
+    assert "--tp-comm-overlap" not in argv
+
+
+def test_nemo_qwen3_30b_rows_name_what_their_sources_leave_open() -> None:
+    # 25.11: the table's MBS 2 / VP 24 are not v0.2.0's preset (MBS 1, VP 12); 26.02: DeepEP, which the release's
+    # known issues say the container does not support; 26.02.01: v0.3.0's layout, v0.3.1's preset is EP 16 HybridEP
+    for rid, words in (("nemo2511_h100_fp8_qwen3_30b_a3b_16gpu", "MBS 2, VP 24"),
+                       ("nemo2602_h100_fp8_qwen3_30b_a3b_16gpu", "DeepEP is not supported"),
+                       ("nemo260201_h100_fp8_qwen3_30b_a3b_16gpu", "8901")):
+        doubts = [a for a in NEMO[rid]["assumptions"] if a.startswith("run not determined")]
+        assert len(doubts) == 1 and words in doubts[0], rid
+    assert not any(a.startswith("run not determined") for r in NEMO.values() if "qwen3_30b" not in r["id"]
+                   for a in r["assumptions"])
+    # the container's Megatron-Bridge: stated by software-versions.md (25.09 .. 26.06) and known-issues.md (26.02.01)
+    assert "stated: Megatron-Bridge docs/releases/software-versions.md" in NEMO["nemo2602_h100_fp8_qwen3_235b_a22b_256gpu"]["assumptions"][0]
+    assert "Fixed in 26.02.01 (r0.3.1)" in NEMO["nemo260201_h100_fp8_qwen3_235b_a22b_256gpu"]["assumptions"][0]
+
+
+MBRIDGE: dict[str, dict[str, Any]] = {r["id"]: r for r in json.loads(FID.MBRIDGE_RUNS.read_text())}
+
+
+def test_mbridge_pr3868_row_is_expressed_as_its_comment_states_it() -> None:
+    # PR #3868's handoff: 2 nodes x 8 H100, BF16, EP 16, TP 1, PP 1, CP 1, MBS 1, GBS 1024, alltoall
+    # (--moe_flex_dispatcher_backend None), no EP overlap; eager 41.36 s a step (iterations 5-8). ETP 1: the
+    # expert DP 16 / 16 = 1, 1024 / 16 = 64 microbatches of 1; the recipe's bf16 gradients, forced balance
+    row = MBRIDGE["nemo_mbridge_pr3868_h100_bf16_qwen3_30b_a3b_16gpu"]
+    with tempfile.TemporaryDirectory() as d:
+        case = FID.express(row, Path(d))
+    argv = case.argv
+    assert case.metric == "step_time_s" and case.measured == 41.36 and case.gpus == 16
+    assert _opt(argv, "--mesh") == "dp=1,ep=16,tp=1" and _opt(argv, "--strategy") == "dp,ep,zero1"
+    assert _opt(argv, "--batch") == "16" and _opt(argv, "--grad-accum") == "64" and _opt(argv, "--precision") == "bf16"
+    assert _opt(argv, "--moe-dispatcher") == "alltoall" and _opt(argv, "--moe-routing") == "topk"
+    assert "--ep-comm-overlap" not in argv and "--tp-comm-overlap" not in argv and _opt(argv, "--grad-dtype") == "bf16"
+    assert row["measured"]["tokens_per_sec_per_gpu"] == 6338  # 1024 x 4096 / 41.36 / 16
+    assert "memory_gib_max" not in row["measured"]  # PR #3880's 61.35 GB is another run's
+    calibrate = (ROOT / "benchmarks" / "calibrate_sustained.py").read_text()
+    assert FID.MBRIDGE_RUNS in [x.path for x in FID.EXTRA_RUNS] and "mbridge" not in calibrate
+    assert not set(MBRIDGE) & {r["id"] for r in ROWS} and not set(MBRIDGE) & set(NEMO)
+
+
 def test_nemo_runs_are_kept_out_of_the_band_and_the_calibration() -> None:
     calibrate = (ROOT / "benchmarks" / "calibrate_sustained.py").read_text()
     assert "NEMO_RUNS" not in calibrate and "nemo-runs" not in calibrate and "fidelity.RUNS" in calibrate
