@@ -242,12 +242,15 @@ class Runtime:
         self._check_loss()
         if self.fsdp_float8_all_gather and not (self.fp8 and self.framework == "torchtitan"):
             raise ProgramError(f"--fsdp-float8-all-gather: torchao's float8 all-gather under FSDP2 needs --precision fp8 "
-                               f"and --framework torchtitan, not --precision {self.precision} --framework "
-                               f"{self.framework}")
+                               f"and --framework torchtitan (given: {self._given()})")
         self._check_float8_recipe()
         if self.compile is not None and self.framework != "torchtitan":
             raise ProgramError(f"--{'' if self.compile else 'no-'}compile: applies to --framework torchtitan only "
                                f"(--framework {self.framework} runs fused Transformer Engine kernels)")
+
+    def _given(self) -> str:
+        """The precision and framework as given, for a message (no ``--precision``: the model's dtype)."""
+        return f"{f'--precision {self.precision}' if self.precision else 'no --precision'}, --framework {self.framework}"
 
     def _check_float8_recipe(self) -> None:
         """``--float8-recipe`` where torchao's float8 linears run, and not with what torchtitan refuses."""
@@ -259,7 +262,7 @@ class Runtime:
                                f"(torchao's Float8LinearRecipeName)")
         if not (self.fp8 and self.framework == "torchtitan"):
             raise ProgramError(f"--float8-recipe {r}: torchao's float8 recipe applies to --precision fp8 --framework "
-                               f"torchtitan only, not --precision {self.precision} --framework {self.framework}")
+                               f"torchtitan only (given: {self._given()})")
         if r == "rowwise_with_gw_hp":
             raise ProgramError("--float8-recipe rowwise_with_gw_hp: not modelled (its grad_weight GEMM runs in bf16 "
                                "beside the float8 output and grad_input GEMMs: torchao Float8LinearConfig."
