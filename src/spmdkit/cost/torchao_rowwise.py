@@ -13,15 +13,18 @@ K, N; dynamic row-wise scaling, PyTorch version 2.8.0a0+git48807d5", on an H100.
 ``convert_to_float8_training(config=Float8LinearConfig.from_recipe_name("rowwise"))``, forward and
 backward with a random output gradient, the GPU kernel time from the profiler
 (``b_bf16_e2e_s / b_fp8_e2e_s``), M, K, N each 1024 .. 32768 (:data:`SPEEDUP`, transcribed from the
-image). Its torchao is the runs' float8 code (the rowwise path of ``float8_linear`` and
-``float8_ops.addmm_float8_unwrapped``'s cuBLAS-and-rescale backward are those of 6243040, 2025-06-13),
-its torch a nightly of the runs' month (theirs 38410cf9).
+image). Its torchao is of early June 2025 (merged as fdddb2cfa, 2025-06-06): between it and the runs'
+6243040 (2025-06-13) ``torchao/float8`` changed by a flag made a no-op, an export list, a docs move and
+inference fixes, so the training rowwise path (``float8_linear``, ``float8_ops.addmm_float8_unwrapped``'s
+cuBLAS-and-rescale backward) is the runs'; its torch a 2.8 nightly no later than that (the runs':
+38410cf9).
 
 The mechanism: the table measures the whole rowwise linear (its casts, its three GEMMs, the forward's
 CUTLASS rowwise kernel and the backward's rescales) against the bf16 one, which the cost model
 otherwise builds from its parts (:mod:`spmdkit.cost.torchao_casts` and the float8 GEMM rate); the
-parts leave out what the microbenchmark shows at small shapes (torchtitan#1207's root cause: wk / wv
-"so small that float8 rowwise conversion resulted in significant slowdown (approx 40%)"). So a
+parts leave out what the microbenchmark shows at small shapes (torchtitan#1207's root cause,
+b0902b29a: "attention.wk and attention.wv layers were so small that float8 rowwise conversion resulted
+in approx ~40% slowdown for those layers"). So a
 rowwise linear's passes (its forward and its backward op) are scaled by :func:`rowwise_scale`: at the
 linear's forward (M, K, N), clamped into the table, the measured module's float8 linear time over the
 modelled one,
@@ -34,7 +37,8 @@ LayerNorm's and sigmoid's (memory-bound: :data:`LN_BYTES`, :data:`SIGMOID_BYTES`
 module's gains from Inductor fusing a cast into the LayerNorm or the sigmoid's backward stay in
 ``F_meas`` (as in a compiled block, where a norm or a SwiGLU precedes each linear). Outside the table
 (torchtitan's TP 8 shards: N = 128 for wk / wv, M up to 131072) the nearest edge's ratio is taken: the
-table's speedup flattens with M past 16384, and its N = 1024 column is its smallest.
+table's speedup changes little from M = 16384 to 32768 (median +0.04, -0.20 to +0.22 by cell), and its
+N = 1024 column is its smallest.
 """
 
 from __future__ import annotations
