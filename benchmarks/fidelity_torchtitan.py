@@ -49,11 +49,11 @@ def float8_unsupported(row: dict[str, Any]) -> str | None:
     return None
 
 
-#: what the rowwise rows' plans assume of the forward GEMM's rate (spmdkit.cost.torchao_casts)
-ROWWISE_RATE_ASSUMPTION = ("the rowwise-scaled forward _scaled_mm (PyTorch's CUTLASS rowwise kernel, fast accum) "
-                           "at cuBLAS's tensorwise float8 rate: no source gives its rate at these shapes "
-                           "(pytorch/pytorch#147971, 2025-02: most shapes 90-100% of tensorwise, a tail to 50%); "
-                           "an unsourced assumption")
+#: what the rowwise rows' plans assume of the rowwise linear's time (spmdkit.cost.torchao_rowwise)
+ROWWISE_RATE_ASSUMPTION = ("each rowwise float8 linear timed by torchao's published H100 table of the recipe "
+                           "(docs/static/fp8-rowwise-perf.png at 4c8086744, LN -> Linear -> Sigmoid fwd + bwd over "
+                           "bf16, torch 2.8.0a0+git48807d5) at its shape clamped into the table's 1024..32768: the "
+                           "TP 8 shards' N = 128 (wk, wv) and M = 98304 / 131072 lie outside it")
 
 
 def float8_recipe_flags(row: dict[str, Any], assume: list[str] | None = None) -> list[str]:

@@ -376,7 +376,9 @@ def _fp8(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     are torchao's instead (:mod:`spmdkit.cost.torchao_casts`: an amax pass and a cast pass whoever
     made the tensor, on the shard where it is gathered in float8, and the backward's transposed
     float8 copies; under ``--float8-recipe rowwise`` the rowwise recipe's casts, re-scales along
-    the other axis and the backward GEMMs' rescales: :func:`~spmdkit.cost.torchao_casts.rowwise_cast_bytes`)."""
+    the other axis and the backward GEMMs' rescales: :func:`~spmdkit.cost.torchao_casts.rowwise_cast_bytes`;
+    its passes' time scaled by torchao's published table of the linear, ``OpCost.rowwise``:
+    :mod:`spmdkit.cost.torchao_rowwise`)."""
     prog = plan.program
     op = prog.ops[i]
     if _canonical(op.rule) not in FP8_GEMMS or not c.gemms:
@@ -392,7 +394,7 @@ def _fp8(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
         assert weight is not None  # gemm_dims read it
         gathers = float8_tp_gather_dims(plan)
         if plan.runtime.float8_rowwise:  # torchao's rowwise recipe: its casts, re-scales and rescales
-            return replace(c, fp8=True, cast_bytes=rowwise_cast_bytes(
+            return replace(c, fp8=True, rowwise=(b * m, k, n), cast_bytes=rowwise_cast_bytes(
                 (b, m, n, k), math.prod(weight[0]), grad=op.rule.endswith("_grad"),
                 x_cast=i in layers.first_reads, x_transpose=i in layers.first_grad_reads))
         src, dy = _operand(prog, op, _INPUT_PARAMS, None), op.inputs.get("out_grad")

@@ -46,6 +46,7 @@ from spmdkit.cost.rates import (
     measured_gemm,
     parse_rates,
 )
+from spmdkit.cost.torchao_rowwise import rowwise_scale
 from spmdkit.engine.facts import OpCost
 from spmdkit.program.plan import Plan, Reshard
 
@@ -270,7 +271,9 @@ class Device:
         """The time of an op's cost on this device, the one place it is computed:
         ``max(compute_time, bytes / hbm_rate)`` (:meth:`compute_time`, :attr:`hbm_rate`), the fp8
         casts' bytes after it (memory-bound kernels of their own), and at least the launch floor
-        per kernel (a view runs none: 0). Weight-gradient GEMMs that accumulate into an fp32
+        per kernel (a view runs none: 0); a pass of torchao's rowwise float8 linear (``c.rowwise``)
+        scaled by its published microbenchmark (:func:`table_rowwise_scale`).
+        Weight-gradient GEMMs that accumulate into an fp32
         main gradient (``c.wgrad_bytes``) are kernels of their own: ``max(their compute,
         wgrad_bytes / hbm_rate)`` after ``max(the rest's compute, the rest's bytes / hbm_rate)``."""
         if c.kernels == 0:
@@ -286,7 +289,10 @@ class Device:
         if c.cast_bytes:
             t += c.cast_bytes / bw
             kernels += len(c.gemms) or 1
-        return max(t, kernels * self.rates.launch_s)
+        t = max(t, kernels * self.rates.launch_s)
+        if c.rowwise is not None:  # torchao's rowwise linear: its published microbenchmark's time
+            t *= table_rowwise_scale(*c.rowwise)
+        return t
 
 
 T = 1e12
@@ -321,6 +327,19 @@ DEVICES: dict[str, Device] = {
     "h800": Device("NVIDIA H800 SXM5 80GB", dict(_H100_PEAKS), 3350 * G, 80 * 1024**3, _NVLINK4_H800, _IB_NDR,
                    rates=H100_RATES),
 }
+#: the GPU torchao's rowwise table was measured on (:mod:`spmdkit.cost.torchao_rowwise`): the H100
+#: preset, one GPU at its rated power and the microbenchmarked rates (a short timed loop: sustained 1)
+ROWWISE_TABLE_DEVICE = replace(DEVICES["h100"], rates=replace(H100_RATES, sustained=1.0))
+
+
+@lru_cache(maxsize=4096)
+def table_rowwise_scale(m: int, k: int, n: int) -> float:
+    """:func:`spmdkit.cost.torchao_rowwise.rowwise_scale` on :data:`ROWWISE_TABLE_DEVICE`: what a
+    pass of a rowwise float8 linear of forward (m, k, n) is scaled by, on any device (the table's
+    measured time over the model's, where it was measured)."""
+    return rowwise_scale(ROWWISE_TABLE_DEVICE, m, k, n)
+
+
 _DEVICE_ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "h100-sxm": "h100",
                    "h100-80gb": "h100", "h200-sxm": "h200", "h200-141gb": "h200",
                    "h800-sxm": "h800", "h800-80gb": "h800"}
@@ -497,5 +516,6 @@ def recost(plan: Plan, cost: CostModel) -> Plan:
     return replace(plan, ops=ops, reshards=[rs(r) for r in plan.reshards], cost=cost)
 
 
-__all__ = ["preset_of_gpu", "DEVICES", "GENERIC_RATES", "PEAK_KEYS", "Device", "Link", "cost_model", "device_from_json",
-           "expected_max_normal", "load_device", "preset_device", "recost"]
+__all__ = ["preset_of_gpu", "DEVICES", "GENERIC_RATES", "PEAK_KEYS", "ROWWISE_TABLE_DEVICE", "Device", "Link", "cost_model",
+           "device_from_json",
+           "expected_max_normal", "load_device", "preset_device", "recost", "table_rowwise_scale"]

@@ -74,8 +74,9 @@ reads and writes the bf16 output (:data:`RESCALE` = 4 B an element of dX and of 
 GEMM (``use_fast_accum=True``) runs PyTorch's rowwise CUTLASS kernel; no source gives its rate
 against cuBLAS's tensorwise one at these shapes (pytorch/pytorch#147971, 2025-02: "most shapes are
 within 90-100% of tensor-wise efficiency, but there's a long tail going down to 50%", as a plot;
-torchao's roofline prices both at the same float8 peak), so it is priced at the tensorwise float8
-rate: an unsourced assumption (docs/devices.md). Under TP the recipe runs plain TP (torchtitan
+torchao's roofline prices both at the same float8 peak), so it is priced at the float8 rate; the
+whole linear these parts make is then scaled to torchao's published table of it
+(:mod:`spmdkit.cost.torchao_rowwise`). Under TP the recipe runs plain TP (torchtitan
 ``parallelize_llama`` at 820504e: ``enable_float8_tensorwise_tp = enable_float8_linear and not
 float8_is_rowwise``): the all-gathers move bf16 and every cast runs on the gathered tensor.
 """

@@ -131,6 +131,10 @@ class OpCost:
     #: ``bytes``) their operands and that gradient. 0: the op timed as one kernel
     wgrad_gemms: int = 0
     wgrad_bytes: float = 0.0
+    #: a pass (forward or backward) of torchao's rowwise float8 linear: the linear's forward
+    #: ``(M, K, N)``; its time is scaled by torchao's published microbenchmark of that linear
+    #: (:func:`spmdkit.cost.torchao_rowwise.rowwise_scale`). None: not one
+    rowwise: tuple[int, int, int] | None = None
 
 
 #: a family's cost function
