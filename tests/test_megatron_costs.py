@@ -101,7 +101,7 @@ def test_sequence_parallel_regather_hides_under_the_dgrad_gemm() -> None:
         comp = step_compute(p, H100)
         comm = communication(p, comp, H100)
         got[fw] = st._rerun(p, "none", comp, comm, {}).extra_at
-    from spmdkit.cost.memory import rerun_points, saved_activations
+    from spmdkit.cost.memory_saved import rerun_points, saved_activations
     _, regather = rerun_points(plan, saved_activations(plan, "none"))
     assert regather and set(got["megatron"]) == set(regather)
     comp = step_compute(replace(plan, runtime=Runtime(framework="megatron")), H100)

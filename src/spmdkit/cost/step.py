@@ -26,7 +26,7 @@ from spmdkit.cost.context_shared import shared_gather_costs
 from spmdkit.cost.context_torch import TorchCpCost
 from spmdkit.cost.devices import Device
 from spmdkit.cost.float8_tp import float8_gather_s
-from spmdkit.cost.memory import rerun_points, saved_activations
+from spmdkit.cost.memory_saved import rerun_points, saved_activations
 from spmdkit.cost.moe import moe_layers
 from spmdkit.cost.step_comm import (
     Pending,
@@ -210,7 +210,7 @@ def _rerun(plan: Plan, recompute: str, comp: StepCompute, comm: StepComm, kern_b
     op that reads their outputs (``comp.by_phase["recompute"]``, ``comm.by_phase["recompute"]``);
     a tensor kept as its producer's shard is all-gathered again there (``comm.by_phase["backward"]``),
     under Megatron overlapped with that op's dgrad GEMM (:func:`dgrad_time`). ``points``:
-    :func:`spmdkit.cost.memory.rerun_points` of ``recompute``, where the caller has them."""
+    :func:`spmdkit.cost.memory_saved.rerun_points` of ``recompute``, where the caller has them."""
     rerun, regather = points or rerun_points(plan, saved_activations(plan, recompute))
     out = _Rerun()
     for at, idx in rerun.items():

@@ -28,12 +28,8 @@ from dataclasses import dataclass
 from spmdkit.core.reshard import Step
 from spmdkit.cost.buckets import Reducer
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import (
-    activation_deltas,
-    per_microbatch_mode,
-    saved_activations,
-    with_overheads,
-)
+from spmdkit.cost.memory import activation_deltas, per_microbatch_mode, with_overheads
+from spmdkit.cost.memory_saved import saved_activations
 from spmdkit.cost.step import OpComm, StepEstimate, op_communication
 from spmdkit.cost.step_comm import param_gather_time
 from spmdkit.planner.pipeline import (

@@ -15,17 +15,9 @@ from spmdkit.core.reshard import Step
 from spmdkit.cost.buckets import Bucket, Reducer
 from spmdkit.cost.compute import gathered_itemsize
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import (
-    ActivationMemory,
-    activation_deltas,
-    all_value_inputs,
-    held_for_the_step,
-    local_numel,
-    peak_of,
-    rerun_points,
-    saved_activations,
-)
+from spmdkit.cost.memory import activation_deltas, held_for_the_step, local_numel, peak_of
 from spmdkit.cost.memory_fsdp2 import gather_sizes, gathered_numels, last_group, pair_peak
+from spmdkit.cost.memory_saved import ActivationMemory, all_value_inputs, rerun_points, saved_activations
 from spmdkit.cost.step import OpComm, op_communication, shared_gather_savings
 from spmdkit.cost.step_comm import param_gather_time
 from spmdkit.planner.chunk_ops import chunk_ops
@@ -113,7 +105,7 @@ def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: 
                 only: Collection[str] | None = None) -> list[StageCost]:
     """Per stage: parameters, gradients and states, the stash and working peak of one
     microbatch, the bytes sent, and (``device``) the times. ``recompute`` (none, selective,
-    full; :func:`spmdkit.cost.memory.saved_activations`): the activations a recomputed region makes are not
+    full; :func:`spmdkit.cost.memory_saved.saved_activations`): the activations a recomputed region makes are not
     stashed (they are made again), and its ops' times go to ``recompute_s``. ``oc``: the ops'
     times on ``device`` when already computed (:func:`spmdkit.cost.step.op_communication`).
     ``only``: the layer labels whose regions ``recompute`` runs again (``full:K``), else all."""
