@@ -19,7 +19,8 @@ from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.devices import load_device
-from spmdkit.cost.memory import RECOMPUTE, check_recompute, memory_per_device, recompute_regions, saved_activations
+from spmdkit.cost.memory import RECOMPUTE, check_recompute, memory_per_device
+from spmdkit.cost.memory_saved import recompute_regions, saved_activations
 from spmdkit.cost.step import estimate_step
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.propagate import propagate
@@ -227,7 +228,7 @@ def test_selective_under_flash_attention_is_megatrons_core_attention_checkpoint(
     not kept (q, k, v are); torchtitan's op-level policy saves the flash kernel's outputs."""
     from dataclasses import replace as _replace
 
-    from spmdkit.cost.memory import recompute_regions, saved_activations
+    from spmdkit.cost.memory_saved import recompute_regions, saved_activations
     from spmdkit.planner.planning import plan_model
     from spmdkit.program.runtime import Runtime
 

@@ -18,6 +18,8 @@ from spmdkit.cost.async_tp import (
     reduce_partials_s,
 )
 from spmdkit.cost.devices import DEVICES, cost_model, recost
+from spmdkit.cost.step_comm import communication
+from spmdkit.cost.step_compute import step_compute
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.runtime import Runtime
 
@@ -70,8 +72,8 @@ def test_fused_exposure_adds_the_chunks_and_the_partials_reduction() -> None:
 def _comm(rt: Runtime):  # type: ignore[no-untyped-def]
     _, plan, _ = plan_model("llama-7b", "tp=4", "megatron,sp", {"layers": 1, "seq": 2048, "batch": 1})
     plan = replace(recost(plan, cost_model(plan.mesh, H100)), runtime=rt)
-    comp = st._compute(plan, H100)
-    return plan, comp, st._communication(plan, comp, H100)
+    comp = step_compute(plan, H100)
+    return plan, comp, communication(plan, comp, H100)
 
 
 def _where(plan, ids) -> set[str]:  # type: ignore[no-untyped-def]

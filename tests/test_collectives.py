@@ -11,16 +11,11 @@ import pytest
 
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
+from spmdkit.cost.buckets import MEGATRON_BUCKET_PARAMS, Reducer
 from spmdkit.cost.collectives import Fabric, Group, NcclCostModel, collective_time, group_of, time_of
 from spmdkit.cost.devices import cost_model, device_from_json, preset_device, recost
-from spmdkit.cost.step import (
-    MEGATRON_BUCKET_PARAMS,
-    Reducer,
-    estimate_step,
-    op_communication,
-    param_gather_time,
-    tp_overlap_exposed,
-)
+from spmdkit.cost.step import estimate_step, op_communication
+from spmdkit.cost.step_comm import param_gather_time, tp_overlap_exposed
 from spmdkit.planner.pipeline import PipelineSpec, estimate_pipeline, run_schedule, split_layers
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.runtime import Runtime

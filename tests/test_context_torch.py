@@ -11,13 +11,13 @@ import pytest
 from tests.test_cp_cost import CP, H100, HK, B, D, H, S, _plan
 
 from spmdkit.cost import context_shared
-from spmdkit.cost import memory as mem
 from spmdkit.cost.collectives import time_of
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.context import ring_exposed
 from spmdkit.cost.context_torch import local_qkv, torch_cp_costs, torch_cp_exposed
 from spmdkit.cost.devices import cost_model, preset_device, recost
 from spmdkit.cost.memory_cp import shared_gathers
+from spmdkit.cost.memory_saved import rerun_points, saved_activations
 from spmdkit.cost.step import estimate_step
 from spmdkit.outputs.report import write_estimate
 from spmdkit.planner.planning import plan_model
@@ -179,7 +179,7 @@ def test_compiled_grad_shares_the_recomputed_gather_in_time_by_hand(monkeypatch:
     titan = replace(plan, runtime=Runtime(framework="torchtitan", compile=True))
     dev = preset_device("h100").lockstep(titan.mesh.size)  # as the step runs it: one of the mesh's GPUs
     ops = titan.program.ops
-    shared = shared_gathers(titan, mem.rerun_points(titan, mem.saved_activations(titan, "full"))[0])
+    shared = shared_gathers(titan, rerun_points(titan, saved_activations(titan, "full"))[0])
     assert len(shared) == 2 and all(ops[i].rule == "cp_attention_grad" for i in shared)
     # 8192 local tokens, K and V repeated to 8 heads of 64, bf16: 16 MiB; gathered over cp = 2: 32 MiB;
     # the fp32 dK / dV sent: 32 MiB; the grad's contiguous copies and cat (read, 2 written): 48 MiB

@@ -20,6 +20,8 @@ from spmdkit.cost import step as st
 from spmdkit.cost.compute import fp8_layers, op_cost
 from spmdkit.cost.devices import DEVICES, cost_model, recost
 from spmdkit.cost.float8_tp import amax_all_reduces, float8_tp_gathers
+from spmdkit.cost.step_comm import communication
+from spmdkit.cost.step_compute import step_compute
 from spmdkit.cost.torchao_casts import RESCALE, ROW_CAST, ROW_CAST_T, ROW_GRAD_OUT, rowwise_cast_bytes
 from spmdkit.outputs.recipe import recipe, torchtitan_toml
 from spmdkit.planner.planning import plan_model
@@ -148,7 +150,7 @@ def test_rowwise_runs_plain_tp_with_bf16_all_gathers() -> None:
     assert float8_tp_gathers(tw) and amax_all_reduces(tw)
     assert float8_tp_gathers(rw) == frozenset() and amax_all_reduces(rw) == {}
     # the block input's all-gather: 2 bytes an element (1 under tensorwise)
-    comm = {p.runtime.float8_recipe: st._communication(p, st._compute(p, H100), H100) for p in (tw, rw)}
+    comm = {p.runtime.float8_recipe: communication(p, step_compute(p, H100), H100) for p in (tw, rw)}
     norm = next(i for i, op in enumerate(rw.program.ops) if op.name == "layers.0.attn_norm.out")
     assert comm["rowwise"].blocking[norm] > comm[None].blocking[norm]
     # its casts priced on the gathered input (q reads SEQ x HIDDEN, not the 1/4 shard)
@@ -164,7 +166,7 @@ def test_async_tp_does_not_fuse_the_rowwise_all_gathers() -> None:
     # all-gather-matmuls are not (the casts run between the gather and the _scaled_mm)
     def fused(rt: Runtime) -> set[str]:
         plan = _plan("tp=4", "megatron,sp", replace(rt, tp_comm_overlap=True))
-        comm = st._communication(plan, st._compute(plan, H100), H100)
+        comm = communication(plan, step_compute(plan, H100), H100)
         return {f"{plan.program.ops[i].phase}:{plan.program.ops[i].name}" for i in comm.fused}
 
     gathers = {"forward:layers.0.attn_norm.out", "forward:layers.0.mlp_norm.out",

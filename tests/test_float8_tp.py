@@ -10,10 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from spmdkit.cost import step as st
 from spmdkit.cost.collectives import time_of
 from spmdkit.cost.devices import DEVICES, cost_model, recost
 from spmdkit.cost.float8_tp import AMAX_BYTES, amax_all_reduces, float8_gather_s, float8_step, float8_tp_gathers
+from spmdkit.cost.step_comm import communication
+from spmdkit.cost.step_compute import step_compute
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.plan import Plan
 from spmdkit.program.runtime import Runtime
@@ -61,7 +62,7 @@ def test_the_all_gather_bytes_by_hand() -> None:
 def test_the_step_waits_on_the_float8_all_gathers() -> None:
     def blocking(rt: Runtime) -> dict[str, float]:
         plan = _plan(rt)
-        comm = st._communication(plan, st._compute(plan, H100), H100)
+        comm = communication(plan, step_compute(plan, H100), H100)
         return {f"{plan.program.ops[i].phase}:{plan.program.ops[i].name}": t for i, t in comm.blocking.items()}
 
     te, ao = blocking(Runtime(framework="megatron", precision="fp8")), blocking(FP8)

@@ -15,10 +15,11 @@ import pytest
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.cost import memory as mem
-from spmdkit.cost import step as st
 from spmdkit.cost.compute import fp8_gathered, fp8_weights, op_cost
 from spmdkit.cost.devices import DEVICES, cost_model, recost
 from spmdkit.cost.memory_fsdp2 import copy_in_pool
+from spmdkit.cost.step_comm import communication
+from spmdkit.cost.step_compute import step_compute
 from spmdkit.planner.pipeline import PipelineEstimate
 from spmdkit.planner.planning import plan_model
 from spmdkit.planner.search import Config, config_candidates
@@ -77,7 +78,7 @@ def test_the_casts_move_to_the_shard(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_all_gathers_move_one_byte_an_element() -> None:
     off, on = _plans()
     w, _, _, _ = _wq(on)
-    comm = {p.runtime.fsdp_float8_all_gather: st._communication(p, st._compute(p, H100), H100) for p in (off, on)}
+    comm = {p.runtime.fsdp_float8_all_gather: communication(p, step_compute(p, H100), H100) for p in (off, on)}
     per_off = {k: v for g in comm[False].gathers.values() for k, v in g.items() if k[0] == w}
     per_on = {k: v for g in comm[True].gathers.values() for k, v in g.items() if k[0] == w}
     assert per_off and per_off.keys() == per_on.keys()

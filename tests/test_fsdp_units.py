@@ -1,4 +1,4 @@
-"""torchtitan's FSDP2 units in the step (spmdkit.cost.step.torchtitan_units, Reducer): the root
+"""torchtitan's FSDP2 units in the step (spmdkit.cost.step_comm.torchtitan_units, Reducer): the root
 module's parameters (embedding, final norm, output) gathered once before the first op and kept
 through the backward, the last block kept from its forward to its backward, the root's gradients
 reduce-scattered together at the end of the backward. Hand-computed on llama-7b (vocab 32000,
@@ -12,7 +12,9 @@ import pytest
 
 from spmdkit.cost.collectives import Fabric, Group, collective_time
 from spmdkit.cost.devices import cost_model, preset_device, recost
-from spmdkit.cost.step import _communication, _compute, estimate_step, layer_groups, torchtitan_units
+from spmdkit.cost.step import estimate_step
+from spmdkit.cost.step_comm import communication, layer_groups, torchtitan_units
+from spmdkit.cost.step_compute import step_compute
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.runtime import Runtime
 
@@ -39,7 +41,7 @@ def _ag(params: int) -> float:
 
 def test_torchtitan_gathers_the_root_once_and_keeps_the_last_block() -> None:
     plan, dev = _plan("torchtitan")
-    comm = _communication(plan, _compute(plan, dev), dev)
+    comm = communication(plan, step_compute(plan, dev), dev)
     groups = layer_groups(plan)
     tags = {groups[i]: (op.layer, op.phase) for i, op in enumerate(plan.program.ops)}
     # every group gathers its parameters (the plan's view): embedding, 2 blocks, head, forward and backward
@@ -54,7 +56,7 @@ def test_torchtitan_gathers_the_root_once_and_keeps_the_last_block() -> None:
     assert all(secs == pytest.approx(_ag(LAYER)) for g, (secs, _first) in units.items() if g)
     # another framework's units are the plan's groups
     other, _ = _plan("automodel")
-    comm = _communication(other, _compute(other, dev), dev)
+    comm = communication(other, step_compute(other, dev), dev)
     assert torchtitan_units(other, comm) == comm.prefetch
 
 
@@ -99,20 +101,20 @@ def test_fsdp2_copies_run_on_the_compute_stream() -> None:
     # reduce-scattered: layer 1, layer 0, the root, each read in bf16 and written in fp32
     into = (2 + 4) * (2 * LAYER + 2 * EMB + NORM) / rate
     fwd_out = 2 * 2 * ((2 * EMB + NORM) + 2 * LAYER) / rate
-    base = _compute(plan, dev).by_phase
+    base = step_compute(plan, dev).by_phase
     assert with_copies.compute_s["forward"] == pytest.approx(base["forward"] + fwd_out)
     assert with_copies.compute_s["backward"] - base["backward"] == pytest.approx(out - fwd_out + into)
     three = estimate_step(replace(plan, grad_accum=3), dev, 8 * 4096)
     assert three.compute_s["backward"] == pytest.approx(3 * with_copies.compute_s["backward"])
     mega, _ = _plan("megatron")
-    assert estimate_step(mega, dev, 8 * 4096).compute_s == pytest.approx(_compute(mega, dev).by_phase)
+    assert estimate_step(mega, dev, 8 * 4096).compute_s == pytest.approx(step_compute(mega, dev).by_phase)
 
 
 def test_a_tied_embedding_is_gathered_and_reduced_once_in_the_root() -> None:
     dev = preset_device("h100")
     _, plan, _ = plan_model('{"base": "llama-7b", "layers": 2, "tied_embeddings": true}', "dp=8", "zero3")
     plan = replace(recost(plan, cost_model(plan.mesh, dev)), runtime=Runtime(framework="torchtitan"))
-    units = torchtitan_units(plan, _communication(plan, _compute(plan, dev), dev))
+    units = torchtitan_units(plan, communication(plan, step_compute(plan, dev), dev))
     assert units[0] == (pytest.approx(_ag(EMB + NORM)), 0)  # the table once, with the final norm
     root = estimate_step(plan, dev, 8 * 4096).buckets[-1]
     assert (root.tensors, root.bytes) == (2, 4 * (EMB + NORM))

@@ -2,7 +2,7 @@
 (issue 27's Done means): HF's attention is the zoo's causal flash_attention
 (spmdkit.models.hf_attention), its RMSNorm and SwiGLU the zoo's fused ops
 (spmdkit.models.torch_import.fuse), and a product's operand is kept only for the other operand's
-gradient (spmdkit.cost.memory.FOR_GRAD_ONLY). At reduced depth, seq as published or shorter,
+gradient (spmdkit.cost.memory_saved.FOR_GRAD_ONLY). At reduced depth, seq as published or shorter,
 bf16, on a flat mesh and a pipeline: parameters, gradients and optimizer states per device are
 equal to the byte; the activations kept for the backward differ by exactly what HF's step holds
 and the catalog's does not, each named and counted here:

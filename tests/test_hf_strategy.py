@@ -408,7 +408,7 @@ def test_gpt2_fused_qkv_is_split_head_wise(imported: Callable[[str], Any]) -> No
 def test_full_recompute_on_an_imported_model(imported: Callable[[str], Any]) -> None:
     """Imported ops are labelled by their numbered block (model.layers.0, ...), so --recompute
     full keeps only what each transformer layer reads from outside it."""
-    from spmdkit.cost.memory import saved_activations
+    from spmdkit.cost.memory_saved import saved_activations
 
     prog, _, _ = imported("llama")
     assert {op.layer for op in prog.ops if op.phase == "forward"} >= {"model.layers.0", "model.layers.1"}

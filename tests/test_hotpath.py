@@ -15,6 +15,7 @@ from dataclasses import fields, replace
 import pytest
 
 import spmdkit.cost.step as step_mod
+import spmdkit.cost.step_compute as compute_mod
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.devices import preset_device
@@ -148,19 +149,19 @@ def test_a_plan_timed_again_after_others_is_not_costed_again(monkeypatch: pytest
     a, b = _plan(model, "dp=2,tp=2", "megatron"), _plan(model, "dp=4", "dp")
     dev = preset_device("h100")
     computed: list[int] = []
-    real = step_mod._compute_ops
-    monkeypatch.setattr(step_mod, "_compute_ops", lambda p, d: computed.append(1) or real(p, d))
-    monkeypatch.setattr(step_mod, "_LAST", Recent(8))
-    first = step_mod._compute(a, dev)
-    step_mod._compute(b, dev)
-    again = step_mod._compute(a, dev)
+    real = compute_mod._compute_ops
+    monkeypatch.setattr(compute_mod, "_compute_ops", lambda p, d: computed.append(1) or real(p, d))
+    monkeypatch.setattr(compute_mod, "_LAST", Recent(8))
+    first = compute_mod.step_compute(a, dev)
+    compute_mod.step_compute(b, dev)
+    again = compute_mod.step_compute(a, dev)
     assert len(computed) == 2
     assert again.times == first.times and again.by_phase == first.by_phase and again.by_phase is not first.by_phase
     assert again.flops == first.flops > 0
-    step_mod._compute(b, preset_device("a100-80gb"))  # another device: another pair
+    compute_mod.step_compute(b, preset_device("a100-80gb"))  # another device: another pair
     for _ in range(8 - 1):  # a pushed out by as many other pairs as are kept
-        step_mod._compute(_plan(model, "dp=2", "dp"), dev)
-    step_mod._compute(a, dev)
+        compute_mod.step_compute(_plan(model, "dp=2", "dp"), dev)
+    compute_mod.step_compute(a, dev)
     assert len(computed) == 3 + 8
 
 

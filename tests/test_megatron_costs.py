@@ -21,6 +21,8 @@ from spmdkit.cost import step as st
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.devices import DEVICES, cost_model, recost
 from spmdkit.cost.loss import MEGATRON_CE
+from spmdkit.cost.step_comm import UB_COMM_SMS, communication, overlap_exposed, tp_overlap_exposed, ub_sm_tax
+from spmdkit.cost.step_compute import step_compute
 from spmdkit.engine.facts import OpCost
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.plan import Plan
@@ -96,13 +98,13 @@ def test_sequence_parallel_regather_hides_under_the_dgrad_gemm() -> None:
     got: dict[str, dict[int, float]] = {}
     for fw in ("megatron", "torchtitan"):
         p = replace(plan, runtime=Runtime(framework=fw))
-        comp = st._compute(p, H100)
-        comm = st._communication(p, comp, H100)
+        comp = step_compute(p, H100)
+        comm = communication(p, comp, H100)
         got[fw] = st._rerun(p, "none", comp, comm, {}).extra_at
-    from spmdkit.cost.memory import rerun_points, saved_activations
+    from spmdkit.cost.memory_saved import rerun_points, saved_activations
     _, regather = rerun_points(plan, saved_activations(plan, "none"))
     assert regather and set(got["megatron"]) == set(regather)
-    comp = st._compute(replace(plan, runtime=Runtime(framework="megatron")), H100)
+    comp = step_compute(replace(plan, runtime=Runtime(framework="megatron")), H100)
     for at, ks in regather.items():
         secs = sum(plan.reshards[k].plan.time_s for k in ks)
         assert got["torchtitan"][at] == pytest.approx(secs)  # no such overlap: the gather blocks
@@ -152,15 +154,15 @@ def test_nemo_gpt3_175b_runs_take_their_own_launcher_configs(tmp_path: Path) -> 
 
 def test_userbuffers_reduce_scatter_takes_sms_from_its_gemm() -> None:
     # TE's default num_sm = 16 of the H100's 132: the GEMM keeps 116, 16/116 more time while overlapped
-    assert st.UB_COMM_SMS == 16
-    tax = st.ub_sm_tax("megatron", 132)
-    assert tax == pytest.approx(16 / 116) and st.ub_sm_tax("torchtitan", 132) == 0.0
+    assert UB_COMM_SMS == 16
+    tax = ub_sm_tax("megatron", 132)
+    assert tax == pytest.approx(16 / 116) and ub_sm_tax("torchtitan", 132) == 0.0
     # comm 1 ms under a 2 ms GEMM in 4 chunks: the GEMM stretched by 1 ms x tax, then one chunk's
     # collective (1/4 ms) left exposed: 0.25 + tax ms beyond the GEMM's own 2 ms
-    assert st.overlap_exposed(1e-3, 2e-3, 4, tax) == pytest.approx(0.25e-3 + 1e-3 * tax)
-    assert st.overlap_exposed(1e-3, 2e-3, 4) == pytest.approx(st.tp_overlap_exposed(1e-3, 2e-3, 4))
+    assert overlap_exposed(1e-3, 2e-3, 4, tax) == pytest.approx(0.25e-3 + 1e-3 * tax)
+    assert overlap_exposed(1e-3, 2e-3, 4) == pytest.approx(tp_overlap_exposed(1e-3, 2e-3, 4))
     # the collective longer than its GEMM: the GEMM's whole time is taxed
-    assert st.overlap_exposed(3e-3, 2e-3, 4, tax) == pytest.approx(3e-3 + (2e-3 + 2e-3 * tax) / 4 - 2e-3)
+    assert overlap_exposed(3e-3, 2e-3, 4, tax) == pytest.approx(3e-3 + (2e-3 + 2e-3 * tax) / 4 - 2e-3)
 
 
 def _plan_json(*extra: str) -> dict[str, Any]:
@@ -270,12 +272,12 @@ def test_async_dgrad_allreduce_hides_under_the_wgrad_gemms() -> None:
     _, plan, _ = plan_model("llama-7b", "tp=8", "megatron", {"layers": 1, "seq": 2048, "batch": 1})
     plan = recost(plan, cost_model(plan.mesh, H100))
     ops = plan.program.ops
-    comp = st._compute(replace(plan, runtime=Runtime(framework="megatron")), H100)
+    comp = step_compute(replace(plan, runtime=Runtime(framework="megatron")), H100)
     got = {}
     for key, rt in (("on", Runtime(framework="megatron")),
                     ("off", Runtime(framework="megatron", tp_allreduce_overlap=False)),
                     ("titan", Runtime(framework="torchtitan"))):
-        got[key] = st._communication(replace(plan, runtime=rt), comp, H100).blocking
+        got[key] = communication(replace(plan, runtime=rt), comp, H100).blocking
 
     def made_by(name: str) -> int:
         return next(i for i, op in enumerate(ops) if name in op.output_names())

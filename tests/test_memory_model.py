@@ -19,13 +19,11 @@ from spmdkit.cost.memory import (
     ALLOCATOR_RESERVE,
     CUDA_CONTEXT_BYTES,
     NCCL_BYTES_PER_GROUP,
-    SHAPE_ONLY,
     fit_verdict,
     memory_per_device,
-    saved_activations,
-    value_spans,
     with_overheads,
 )
+from spmdkit.cost.memory_saved import SHAPE_ONLY, saved_activations, value_spans
 from spmdkit.models.zoo import ModelConfig, build_model
 from spmdkit.outputs.html import render_html
 from spmdkit.planner.pipeline import PipelineSpec, estimate_pipeline, in_flight, op_stages, split_layers, stage_costs

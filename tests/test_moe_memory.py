@@ -24,10 +24,8 @@ from spmdkit.cost.memory import (
     loss_spans,
     makes_no_copy,
     memory_per_device,
-    saved_activations,
-    spans_with_recompute,
-    value_spans,
 )
+from spmdkit.cost.memory_saved import saved_activations, spans_with_recompute, value_spans
 from spmdkit.cost.moe import moe_layers
 from spmdkit.execute.single import global_step
 from spmdkit.models.source import Preset, load_preset

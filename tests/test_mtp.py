@@ -11,7 +11,7 @@ import pytest
 
 from spmdkit.core.errors import SpmdError
 from spmdkit.cost.compute import model_flops
-from spmdkit.cost.memory import recompute_regions
+from spmdkit.cost.memory_saved import recompute_regions
 from spmdkit.models.params import count_params, parameters
 from spmdkit.models.zoo import build_model, preset, tiny_like
 from spmdkit.planner.pipeline import PipelineSpec, op_stages

@@ -220,7 +220,7 @@ def test_interleaved_memory_counts_chunks() -> None:
 def test_recompute_reaches_the_pipeline() -> None:
     """--recompute with pp: a recomputed region's activations leave each stage's stash (memory
     of the in-flight microbatches) and its ops' time is added to the stage's backward."""
-    from spmdkit.cost.memory import saved_activations
+    from spmdkit.cost.memory_saved import saved_activations
 
     _model, plan, spec, counts, _ = plan_pipeline("tiny-gpt-dropout", "pp=2,tp=2", "megatron", {"microbatches": 4},
                                                  {"layers": 4, "batch": 8}, None, None)

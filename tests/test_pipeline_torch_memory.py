@@ -12,6 +12,7 @@ import pytest
 from spmdkit.cost import memory as mem
 from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory_cp import allgather_buffers, shared_gathers, torch_allgather_bytes
+from spmdkit.cost.memory_saved import rerun_points, saved_activations
 from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline
 from spmdkit.planner.pipeline_memory import ChunkBytes, torch_order, torch_rank_memory
 from spmdkit.planner.planning import plan_model
@@ -177,10 +178,10 @@ def test_compiled_grad_shares_the_recomputed_forward_gather(monkeypatch: pytest.
     plan = plan_model("llama-7b", "cp=2", "cp", small)[1]
     eager = replace(plan, runtime=Runtime(framework="torchtitan"))
     titan = replace(plan, runtime=Runtime(framework="torchtitan", compile=True))
-    saved = mem.saved_activations(titan, "full")
-    rerun = mem.rerun_points(titan, saved)[0]
+    saved = saved_activations(titan, "full")
+    rerun = rerun_points(titan, saved)[0]
     assert shared_gathers(eager, rerun) == {}  # eager: the recomputation's gather is freed, the grad gathers again
-    assert shared_gathers(titan, mem.rerun_points(titan, mem.saved_activations(titan, "none"))[0]) == {}
+    assert shared_gathers(titan, rerun_points(titan, saved_activations(titan, "none"))[0]) == {}
     got = shared_gathers(titan, rerun)
     ops = titan.program.ops
     assert len(got) == 2 and all(ops[i].rule == "cp_attention_grad" for i in got)

@@ -14,7 +14,8 @@ from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.devices import load_device
-from spmdkit.cost.memory import check_recompute, memory_per_device, recompute_regions, saved_activations
+from spmdkit.cost.memory import check_recompute, memory_per_device
+from spmdkit.cost.memory_saved import recompute_regions, saved_activations
 from spmdkit.cost.step import estimate_step
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.runtime import Runtime

@@ -21,7 +21,8 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.cost.checkpoints import every_blocks, recompute_every
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.devices import load_device
-from spmdkit.cost.memory import check_recompute, memory_per_device, recompute_regions, saved_activations
+from spmdkit.cost.memory import check_recompute, memory_per_device
+from spmdkit.cost.memory_saved import recompute_regions, saved_activations
 from spmdkit.cost.step import estimate_step
 from spmdkit.outputs.recipe import megatron_args, recipe, recipe_warning, torchtitan_toml
 from spmdkit.planner.pipeline import PipelineSpec, estimate_pipeline, every_layers

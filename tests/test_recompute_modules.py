@@ -10,7 +10,8 @@ from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.devices import load_device
-from spmdkit.cost.memory import check_recompute, recompute_regions, saved_activations
+from spmdkit.cost.memory import check_recompute
+from spmdkit.cost.memory_saved import recompute_regions, saved_activations
 from spmdkit.cost.step import estimate_step
 from spmdkit.models.zoo import ModelConfig, build_model
 from spmdkit.planner.propagate import propagate

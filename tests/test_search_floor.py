@@ -61,7 +61,8 @@ def test_the_zero3_floor_counts_the_gathers_the_plan_leaves_exposed() -> None:
     """A ZeRO-3 pipeline's floor counts the part of each layer group's parameter gather that the
     group before does not hide, and a flat one the gathers one after the other: both as the
     whole model's plan has them (the two shallow copies extrapolated), and both raise the floor."""
-    from spmdkit.cost.step import layer_groups, op_communication
+    from spmdkit.cost.step import op_communication
+    from spmdkit.cost.step_comm import layer_groups
     from spmdkit.planner.search import _preset_plan
 
     mc, job = _job(MODEL, OVER)

@@ -3,7 +3,7 @@ HF's spelt-out RMSNorm becomes ``fused_rms_norm`` and ``silu(a) * b`` the ``swig
 zoo's kernels; near misses (Gemma's ``(1 + w)`` scale, a mean over another axis, a ``silu`` read
 twice) stay as they are; the training step's loss and every gradient equal torch's either way.
 And the memory model keeps a product's operand only for the other operand's gradient
-(spmdkit.cost.memory.FOR_GRAD_ONLY): ``x * table`` with a table that needs no gradient keeps
+(spmdkit.cost.memory_saved.FOR_GRAD_ONLY): ``x * table`` with a table that needs no gradient keeps
 the table, not ``x``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from torch import nn  # noqa: E402
 
-from spmdkit.cost.memory import saved_activations  # noqa: E402
+from spmdkit.cost.memory_saved import saved_activations  # noqa: E402
 from spmdkit.execute.single import run_program  # noqa: E402
 from spmdkit.models.torch_import import import_module, torch_values  # noqa: E402
 from spmdkit.planner.planning import plan_program  # noqa: E402

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from spmdkit.cost import memory as mem
+from spmdkit.cost.memory_saved import recompute_inputs, saved_activations
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.runtime import Runtime
 
@@ -48,11 +49,11 @@ def test_loss_parallel_holds_four_bytes_more_each_way(monkeypatch: pytest.Monkey
 def test_selective_checkpointing_holds_the_saved_matmul_outputs_to_the_backward(
         monkeypatch: pytest.MonkeyPatch) -> None:
     plan = _plan("dp=1", "dp")
-    saved = mem.saved_activations(plan, "selective")
+    saved = saved_activations(plan, "selective")
     ops = plan.program.ops
     # torchtitan's op policy saves the outputs of wq, wv, w1 and w2 (matmuls 1, 3, 5, 7); no backward op
     # reads those of wq, wv, w2 (the rotary embedding and the residual add run again from them)
-    again = mem.recompute_inputs(plan, saved)
+    again = recompute_inputs(plan, saved)
     for layer in (0, 1):
         for n in ("q", "v", "mlp_out"):
             assert ops[again[f"layers.{layer}.{n}"]].phase == "backward"
@@ -69,7 +70,7 @@ def test_selective_checkpointing_holds_the_saved_matmul_outputs_to_the_backward(
     # compiled (AOTAutograd's partitioner saves what the backward needs): w2's output, which only the
     # residual add reads, is not held; q and v are (the rotary embedding and attention run again)
     comp = replace(plan, runtime=Runtime(framework="torchtitan", compile=True))
-    held = mem.recompute_inputs(comp, mem.saved_activations(comp, "selective"))
+    held = recompute_inputs(comp, saved_activations(comp, "selective"))
     assert "layers.1.mlp_out" in held
     assert "layers.0.q" in held and "layers.0.v" in held and "layers.0.mlp_out" not in held
     got_c = mem.memory_per_device(comp, "selective").curve

@@ -19,7 +19,8 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens
 from spmdkit.cost.devices import cost_model, load_device, recost
-from spmdkit.cost.memory import Memory, recompute_every, recompute_layers, recompute_regions
+from spmdkit.cost.memory import Memory, recompute_every, recompute_layers
+from spmdkit.cost.memory_saved import recompute_regions
 from spmdkit.cost.step import StepEstimate, estimate_step
 from spmdkit.models import catalog
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, load
@@ -109,7 +110,7 @@ def block_recompute(prog: Program, recompute: str) -> str:
     recompute every layer of ``prog`` (Megatron-Core's block method with K the layers, torchtitan's
     ``selective_ac_option = "1"``: each layer checkpointed, as full recomputation does), else
     ``recompute``; a ProgramError naming ``--recompute`` where K or N is more than its layers
-    (:func:`spmdkit.cost.memory.recompute_regions`)."""
+    (:func:`spmdkit.cost.memory_saved.recompute_regions`)."""
     if (recompute_layers(recompute) is not None or recompute_every(recompute) is not None) and \
             len(recompute_regions(prog, recompute)) == len(recompute_regions(prog, "full")):
         return "full"

@@ -1,6 +1,6 @@
 """The data-parallel gradient buckets as the frameworks fill and launch them (:class:`Reducer`),
 with FSDP2's reduce-scatter copy-in on the compute stream; used by the step
-(:mod:`spmdkit.cost.step`, which re-exports these names), the pipeline's stages and the fold."""
+(:mod:`spmdkit.cost.step`, :mod:`spmdkit.cost.step_comm`), the pipeline's stages and the fold."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ def shared_gather_costs(plan: Plan, device: Device, costs: Sequence[OpCost], und
                         rerun: dict[int, list[int]]) -> dict[int, tuple[OpCost, float, TorchCpCost]]:
     """Allgather cp attention grad op -> (its cost, its time on ``device``, its
     :class:`TorchCpCost`) where its K / V all-gather is its recomputed forward's (``rerun``:
-    :func:`spmdkit.cost.memory.rerun_points`' first map; the ops
+    :func:`spmdkit.cost.memory_saved.rerun_points`' first map; the ops
     :func:`spmdkit.cost.memory_cp.shared_gathers` names, under ``--compile`` with the attention
     recomputed: AOTAutograd's CSE of the joint graph merges the grad's gather, contiguous copies
     and cat into the recomputed forward's): without its own all-gather

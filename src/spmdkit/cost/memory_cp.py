@@ -86,7 +86,7 @@ def shared_gathers(plan: Plan, rerun: Mapping[int, Sequence[int]]) -> dict[int, 
     """Grad op index -> (the op from which, bytes) of the gathered K / V and the contiguous
     copies, ``(cp + 1) (K + V)``, that an allgather cp attention grad shares with its recomputed
     forward under ``--compile`` (module docstring): held from where the backward runs the forward
-    op again (``rerun``: :func:`spmdkit.cost.memory.rerun_points`' first map) to the grad. Empty
+    op again (``rerun``: :func:`spmdkit.cost.memory_saved.rerun_points`' first map) to the grad. Empty
     when eager (the recomputation's gather is freed after the forward ring, the grad gathers
     again) and for a forward op not recomputed (its grad's gather is the grad's own)."""
     if plan.runtime.eager:

@@ -403,7 +403,7 @@ def _expert_rows(plan: Plan) -> list[ExpertRows]:
 
 def combine_rows_unkept(plan: Plan, reads: dict[str, list[int]]) -> frozenset[str]:
     """Under ``--framework megatron``: the experts' output rows that a ``moe_combine``'s backward
-    alone reads (``reads``: :func:`spmdkit.cost.memory.value_reads`), for the combine weights'
+    alone reads (``reads``: :func:`spmdkit.cost.memory_saved.value_reads`), for the combine weights'
     gradient. Megatron-Core keeps no such tensor: its experts multiply the routing probabilities
     in their activation (``megatron/core/transformer/moe/experts.py``,
     ``activation_func_with_probs``, since 2659630721 of 2025-04-09, "Memory efficient token

@@ -1,6 +1,6 @@
 """Which forward ops a recomputation policy runs again, per transformer layer: Megatron-Core's
 fine-grained selective recomputation (``--recompute selective:M1,M2,...``) and torchtitan's
-op-level policy (:func:`op_sac`). :func:`spmdkit.cost.memory.recompute_regions` calls these.
+op-level policy (:func:`op_sac`). :func:`spmdkit.cost.memory_saved.recompute_regions` calls these.
 
 ``selective:M1,M2,...`` is Megatron-Core's ``--recompute-granularity selective
 --recompute-modules M1 M2 ...`` (``TransformerConfig.recompute_modules``,

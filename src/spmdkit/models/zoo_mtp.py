@@ -35,7 +35,7 @@ constant factor, left out as the mean's is.
 
 The ops from ``enorm`` to the final norm are labelled ``mtp[k]`` (a label that does not end in a
 number: not a pipeline layer), the lookup, the head and the loss ``head``. ``--recompute full``
-runs each ``mtp[k]`` group again in the backward (:func:`spmdkit.cost.memory.recompute_regions`
+runs each ``mtp[k]`` group again in the backward (:func:`spmdkit.cost.memory_saved.recompute_regions`
 groups the labels with a number), as Megatron-Core's ``MultiTokenPredictionLayer.forward``
 checkpoints ``_proj_and_transformer_layer`` under ``recompute_granularity == 'full'``. Every op
 follows the model's head, so the pipeline puts the modules on the last stage

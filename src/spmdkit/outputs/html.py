@@ -50,8 +50,8 @@ from spmdkit.cost.memory import (
     local_numel,
     memory_per_device,
     per_microbatch_mode,
-    saved_activations,
 )
+from spmdkit.cost.memory_saved import saved_activations
 from spmdkit.cost.step import estimate_step
 from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.outputs.report import fmt_bytes, fmt_time, placements, reshard_groups

@@ -26,14 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spmdkit.core.reshard import Step
+from spmdkit.cost.buckets import Reducer
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import (
-    activation_deltas,
-    per_microbatch_mode,
-    saved_activations,
-    with_overheads,
-)
-from spmdkit.cost.step import OpComm, Reducer, StepEstimate, op_communication, param_gather_time
+from spmdkit.cost.memory import activation_deltas, per_microbatch_mode, with_overheads
+from spmdkit.cost.memory_saved import saved_activations
+from spmdkit.cost.step import OpComm, StepEstimate, op_communication
+from spmdkit.cost.step_comm import param_gather_time
 from spmdkit.planner.pipeline import (
     PipelineEstimate,
     ScheduleRun,
@@ -117,14 +115,14 @@ def balanced_counts(unit_costs: list[float], first: float, last: float, layers: 
 # a layer ends, so how many there are, and how long the last one runs past the backward, is not
 # affine in the layers. They are replayed: the full model's gradients, in the order and at the
 # times its backward makes them (the deeper copy's, the repeated layer's d more times), through
-# the same buckets (:class:`spmdkit.cost.step.Reducer`).
+# the same buckets (:class:`spmdkit.cost.buckets.Reducer`).
 
 
 @dataclass(frozen=True)
 class _Adds:
     """A copy's gradient reductions as its step makes them: (layer unit: -1 the embedding,
     ``layers`` the head; dtype, reduction, bytes, op layer label, time), and the end of its backward;
-    its device's HBM rate (FSDP2's copy-ins: :class:`spmdkit.cost.step.Reducer`)."""
+    its device's HBM rate (FSDP2's copy-ins: :class:`spmdkit.cost.buckets.Reducer`)."""
 
     items: list[tuple[int, str, Step, int, str, float]]
     fb: float
@@ -134,7 +132,7 @@ class _Adds:
 
 def _gathered(plan: Plan, oc: OpComm, ops: set[int] | None = None) -> dict[tuple[tuple[int, ...], int], float]:
     """Megatron's distributed optimizer's parameter all-gathers (of ``ops``; all): bytes by
-    (mesh dims, itemsize), as :func:`spmdkit.cost.step.param_gather_time` sums them."""
+    (mesh dims, itemsize), as :func:`spmdkit.cost.step_comm.param_gather_time` sums them."""
     by: dict[tuple[tuple[int, ...], int], float] = {}
     for i, items in oc.param_gathers.items():
         if ops is None or i in ops:

@@ -62,7 +62,8 @@ from dataclasses import dataclass, field
 
 from spmdkit.core.errors import SpmdError
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import ActivationMemory, activation_deltas, peak_of, saved_activations
+from spmdkit.cost.memory import activation_deltas, peak_of
+from spmdkit.cost.memory_saved import ActivationMemory, saved_activations
 from spmdkit.cost.step import least_shared_gather_times, op_communication
 from spmdkit.planner.fold import fold_of
 from spmdkit.planner.pipeline import op_units

@@ -15,7 +15,7 @@ model's own formulas:
 - Megatron-Core's pipeline ranks after the first (``framework`` megatron, ``r > 0``) reduce
   their gradients in ONE bucket launched at the end of their last backward
   (:func:`spmdkit.planner.stage_costs.reduce_gradients` with ``single``): ``done_r`` is
-  ``finish_r`` plus the time of that bucket, :class:`spmdkit.cost.step.Reducer`'s time of each
+  ``finish_r`` plus the time of that bucket, :class:`spmdkit.cost.buckets.Reducer`'s time of each
   (reduction, mesh dims, dtype) group's bytes one after the other. The first rank's buckets run
   under its backward (counted as 0 here), as do a run without a pipeline's (the last bucket's
   part is not counted either: which gradients it holds depends on the bucket sizes). Not
@@ -62,8 +62,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from spmdkit.core.reshard import Step
+from spmdkit.cost.buckets import Reducer
 from spmdkit.cost.devices import Device
-from spmdkit.cost.step import Reducer, op_communication
+from spmdkit.cost.step import op_communication
 from spmdkit.planner.pipeline import op_units
 from spmdkit.planner.stage_costs import single_bucket_ranks
 from spmdkit.program.plan import Plan
@@ -108,7 +109,7 @@ def _least(units: list[UnitTail]) -> UnitTail:
 @dataclass
 class Tail:
     """A configuration's tail figures (module docstring); ``plan`` the copy they come from (its
-    mesh, links and runtime time the buckets, :class:`spmdkit.cost.step.Reducer`)."""
+    mesh, links and runtime time the buckets, :class:`spmdkit.cost.buckets.Reducer`)."""
 
     plan: Plan = field(repr=False)
     layer: UnitTail

@@ -17,7 +17,7 @@ from typing import Any
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.cost.memory import recompute_regions
+from spmdkit.cost.memory_saved import recompute_regions
 from spmdkit.models.zoo import ModelConfig
 from spmdkit.program.ir import Program
 from spmdkit.strategies.context import hf_cp, hf_pipeline_refusal

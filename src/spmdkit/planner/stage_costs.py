@@ -12,20 +12,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from spmdkit.core.reshard import Step
+from spmdkit.cost.buckets import Bucket, Reducer
 from spmdkit.cost.compute import gathered_itemsize
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import (
-    ActivationMemory,
-    activation_deltas,
-    all_value_inputs,
-    held_for_the_step,
-    local_numel,
-    peak_of,
-    rerun_points,
-    saved_activations,
-)
+from spmdkit.cost.memory import activation_deltas, held_for_the_step, local_numel, peak_of
 from spmdkit.cost.memory_fsdp2 import gather_sizes, gathered_numels, last_group, pair_peak
-from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time, shared_gather_savings
+from spmdkit.cost.memory_saved import ActivationMemory, all_value_inputs, rerun_points, saved_activations
+from spmdkit.cost.step import OpComm, op_communication, shared_gather_savings
+from spmdkit.cost.step_comm import param_gather_time
 from spmdkit.planner.chunk_ops import chunk_ops
 from spmdkit.planner.chunk_plan import ChunkOps
 from spmdkit.planner.zero_bubble import weight_shares, weight_stash
@@ -111,7 +105,7 @@ def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: 
                 only: Collection[str] | None = None) -> list[StageCost]:
     """Per stage: parameters, gradients and states, the stash and working peak of one
     microbatch, the bytes sent, and (``device``) the times. ``recompute`` (none, selective,
-    full; :func:`spmdkit.cost.memory.saved_activations`): the activations a recomputed region makes are not
+    full; :func:`spmdkit.cost.memory_saved.saved_activations`): the activations a recomputed region makes are not
     stashed (they are made again), and its ops' times go to ``recompute_s``. ``oc``: the ops'
     times on ``device`` when already computed (:func:`spmdkit.cost.step.op_communication`).
     ``only``: the layer labels whose regions ``recompute`` runs again (``full:K``), else all."""
@@ -145,7 +139,7 @@ def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: 
 
 def _fsdp2_copies(plan: Plan, out: list[StageCost], rate: float) -> None:
     """FSDP2's copies under torch's pipelining, once a step (the flat step's:
-    :func:`spmdkit.cost.step.fsdp2_copy_out`, :class:`spmdkit.cost.step.Reducer`): the gathered
+    :func:`spmdkit.cost.step.fsdp2_copy_out`, :class:`spmdkit.cost.buckets.Reducer`): the gathered
     parameters read and written (``foreach_all_gather_copy_out``), each reduce-scattered gradient
     read and its reduce-dtype input written (``foreach_reduce_scatter_copy_in``), the gradient read
     in fp32 where it was accumulated unsharded in the reduce dtype (``to_accumulated_grad_if_needed``)."""
@@ -392,7 +386,7 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm
     """Each stage's forward, backward, recomputation and optimizer times (each op's compute and
     the communication it waits on: :func:`spmdkit.cost.step.op_communication`, the step's own
     model), its gradient reductions (where in its backward each gradient is made) and their
-    time in buckets (:class:`spmdkit.cost.step.Reducer`), on ``device``. A shared parameter's
+    time in buckets (:class:`spmdkit.cost.buckets.Reducer`), on ``device``. A shared parameter's
     copy (``copies``: :func:`_shared_copies`) costs its stage the same update and the same
     gradient reduction, that one at the end of its backward. ``shared``: op -> the seconds its
     compute and wait are less than ``oc``'s (:func:`spmdkit.cost.step.shared_gather_savings`)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from spmdkit.cost.memory import ActivationMemory, value_inputs
+from spmdkit.cost.memory_saved import ActivationMemory, value_inputs
 from spmdkit.program.plan import Plan
 
 #: the backward rules of GEMMs with a weight: one GEMM for the input's gradient, one for the weight's

@@ -31,7 +31,7 @@ linearisation). In-place outputs pay the reshard back to the tensor they overwri
 outputs the reshard to the pin. With a device each candidate also costs its op's compute time
 (compute.op_cost) and the collectives inside its kernel (compute.kernel_collectives).
 ``memory_cap``: per-device memory is linear in the choices: parameters, parameter gradients
-and optimizer states (as held), the activations the backward reads (memory.value_reads)
+and optimizer states (as held), the activations the backward reads (memory_saved.value_reads)
 and, per op position, the activations live there and the reshard copies the op reads (local
 bytes). A choice whose realised plan (memory.memory_per_device) exceeds the cap is re-solved
 with memory priced into the objective (Lagrangian relaxation of the memory rows: the kept

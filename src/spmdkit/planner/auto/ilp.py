@@ -9,7 +9,8 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.cost.memory import local_numel, value_reads
+from spmdkit.cost.memory import local_numel
+from spmdkit.cost.memory_saved import value_reads
 from spmdkit.planner.auto.candidates import Pricer, Space
 from spmdkit.program.ir import Program
 
