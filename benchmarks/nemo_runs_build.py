@@ -214,7 +214,7 @@ def row(rel, tag, commit, date, base, note, header, line, d):
         companions.append(f"NVIDIA-NeMo/Megatron-Bridge scripts/performance/configs/{folder}/{wb} and "
                           f"{stem}_llm_pretrain.py at {tag} ({commit}, {date}): the H100 FP8_CS preset and its config function")
     if rel == "25.09":
-        companions.append(f"NVIDIA-NeMo/Megatron-Bridge scripts/performance/run_script.py, setup_experiment.py and "
+        companions.append(f"NVIDIA-NeMo/Megatron-Bridge scripts/performance/run_script, setup_experiment.py and "
                           f"utils/helpers.py at {tag}: apply_perf_matrix_overrides, set_megatron_fsdp_overrides, "
                           "set_recompute_overrides, get_precision_config; the yaml's ConfigContainer overrides "
                           "(cross_entropy_fusion_impl 'te', grad_reduce_in_fp32 false)")
@@ -307,21 +307,21 @@ def row(rel, tag, commit, date, base, note, header, line, d):
                                                  "(Megatron-Core's alltoall dispatcher), moe_a2a_overlap=True")
             else:
                 disp, a2a = "alltoall", False
-                inf["parallelism.dispatcher"] = ("run_script.py at v0.1.0rc3: qwen3_30b_a3b_pretrain_config (the provider's "
+                inf["parallelism.dispatcher"] = ("run_script at v0.1.0rc3: qwen3_30b_a3b_pretrain_config (the provider's "
                                                  "moe_token_dispatcher_type 'alltoall') then apply_moe_token_drop "
                                                  "('moe_expert_capacity_factor only works with alltoall token dispatcher'); "
                                                  "no a2a overlap set")
             if tag == "v0.1.0rc3":
-                inf["parallelism.overlaps"] = ("run_script.py at v0.1.0rc3: CommOverlapConfig(tp_comm_overlap=True), which "
+                inf["parallelism.overlaps"] = ("run_script at v0.1.0rc3: CommOverlapConfig(tp_comm_overlap=True), which "
                                                "CommOverlapConfig._get_model_comm_overlap_cfgs disables at TP 1")
         elif key == "qwen3_235b_a22b":
             if tag == "v0.1.0rc3":
                 disp, a2a = "alltoall", False
-                inf["parallelism.dispatcher"] = ("run_script.py at v0.1.0rc3: qwen3_235b_a22b_pretrain_config (the provider's "
+                inf["parallelism.dispatcher"] = ("run_script at v0.1.0rc3: qwen3_235b_a22b_pretrain_config (the provider's "
                                                  "moe_token_dispatcher_type 'alltoall') then apply_moe_token_drop (which "
                                                  "needs alltoall); no a2a overlap set")
                 overlaps.insert(0, "--tp-comm-overlap")
-                inf["parallelism.overlaps"] = ("run_script.py at v0.1.0rc3: qwen3_235b_a22b_pretrain_config(comm_overlap_config="
+                inf["parallelism.overlaps"] = ("run_script at v0.1.0rc3: qwen3_235b_a22b_pretrain_config(comm_overlap_config="
                                                "CommOverlapConfig(tp_comm_overlap=True)); TP 2 with sequence parallelism "
                                                "(apply_perf_matrix_overrides), so _get_model_comm_overlap_cfgs keeps it: TE's "
                                                "userbuffers TP overlap with its default config (COMM_OVERLAP_CONFIG_MAP has no "
@@ -345,7 +345,7 @@ def row(rel, tag, commit, date, base, note, header, line, d):
                                          "the first and last 2 decoder layers")
         else:  # deepseek
             disp, a2a = "deepep", True
-            inf["parallelism.dispatcher"] = ("run_script.py at v0.1.0rc3 (DeepSeek-V3): enable_deepep = gpu == 'h100' (not "
+            inf["parallelism.dispatcher"] = ("run_script at v0.1.0rc3 (DeepSeek-V3): enable_deepep = gpu == 'h100' (not "
                                              "token drop on H100) passed to deepseek_v3_pretrain_config: "
                                              "moe_token_dispatcher_type 'flex', moe_enable_deepep True, "
                                              "moe_router_force_load_balancing True (setup_experiment.py's enable_deepep only "
@@ -356,11 +356,11 @@ def row(rel, tag, commit, date, base, note, header, line, d):
                                          "and 1 decoder layer, 30 virtual stages of 2 layers, the MTP module and the loss "
                                          "last (8 x 4 = 32 virtual stages)")
             recompute = "selective:mla_up_proj,mlp"
-            inf["recompute"] = ("run_script.py at v0.1.0rc3: recipe.model.recompute_modules = ['mla_up_proj', 'mlp'] on "
+            inf["recompute"] = ("run_script at v0.1.0rc3: recipe.model.recompute_modules = ['mla_up_proj', 'mlp'] on "
                                 "H100; the 25.09 yaml's recompute_granularity 'selective' (perf_matrix sets no "
                                 "recompute_num_layers)")
             overlaps.remove("--overlap-grad-reduce")
-            inf["parallelism.overlaps"] = ("run_script.py at v0.1.0rc3: recipe.comm_overlap.overlap_grad_reduce = False on "
+            inf["parallelism.overlaps"] = ("run_script at v0.1.0rc3: recipe.comm_overlap.overlap_grad_reduce = False on "
                                            "H100, which CommOverlapConfig._override_user_cfgs puts over the DDP config's "
                                            "True; overlap_param_gather stays True (data parallel > 1)")
         par["dispatcher"] = disp
@@ -369,7 +369,7 @@ def row(rel, tag, commit, date, base, note, header, line, d):
             par["ep_comm_overlap"] = "moe_a2a_overlap: overlap_moe_expert_parallel_comm, delay_wgrad_compute"
             basis["parallelism.ep_comm_overlap"] = "stated_companion"
             inf["parallelism.ep_comm_overlap"] = (
-                "run_script.py at v0.1.0rc3: A2A_1F1B = gpu == 'h100': recipe.comm_overlap.overlap_moe_expert_parallel_comm "
+                "run_script at v0.1.0rc3: A2A_1F1B = gpu == 'h100': recipe.comm_overlap.overlap_moe_expert_parallel_comm "
                 "= True, delay_wgrad_compute = True, moe_shared_expert_overlap = False" if key == "deepseek_v3" else
                 "set_moe_a2a_overlap_overrides (helpers.py): overlap_moe_expert_parallel_comm = True, delay_wgrad_compute = True")
         if tokendrop:
@@ -415,7 +415,7 @@ def _assumptions(rel: str, tag: str, key: str, par: dict, prec_cell: str | None)
         out.append("FP8 (25.09's table states no precision; its layouts are the yaml's fp8 entries)")
     out += _run_doubts(rel, key)
     if key == "deepseek_v3":
-        out.append("DeepEP with the 1F1B a2a overlap and the selective recompute of mla_up_proj and mlp (run_script.py's "
+        out.append("DeepEP with the 1F1B a2a overlap and the selective recompute of mla_up_proj and mlp (run_script's "
                    "H100 branch); its overlap_grad_reduce False (the gradients reduce-scattered after the last backward) "
                    "is planned overlapped under the backward, as every row: benchmarks/fidelity.py passes no "
                    "--no-grad-overlap (the row's parallelism.overlaps states the recipe)")
