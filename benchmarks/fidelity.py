@@ -1129,7 +1129,8 @@ MBRIDGE_HEADING = "## Out-of-sample check: Megatron-Bridge's pull-request runs"
 MBRIDGE_INTRO = (
     "The runs of `benchmarks/data/mbridge-runs.json`: steps Megatron-Bridge's maintainers measured in their pull",
     "requests on a layout the planner can make (PR #3868: Qwen3-30B-A3B on 16 H100s, BF16, TP 1, PP 1, EP 16,",
-    "the alltoall dispatcher, eager), each with the recipe of the branch it ran (`benchmarks/data/mbridge-runs.md`).",
+    "the alltoall dispatcher, eager; PR #3862: the same shape without and with Megatron-Core's EP all-to-all overlap",
+    "at PP 1, `--ep-comm-overlap`), each with the recipe of the branch it ran (`benchmarks/data/mbridge-runs.md`).",
     "Expressed as the NeMo rows above are; compared in seconds a step. Nothing in the cost model was calibrated",
     "on them: they are kept out of `band.json`, the summary above and `benchmarks/calibrate_sustained.py`.", "")
 #: the runs files planned apart from the calibration (out of band.json, of the published runs' summary

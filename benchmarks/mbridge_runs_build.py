@@ -18,6 +18,10 @@ from nemo_runs_build import QWEN30
 #: latest origin/main"); 750d0d322 is PR #3862's merge, the same day, the same shape
 MAIN = "750d0d322"
 PR3868 = "1faf74e3259bd2183e6df0284468621fd70d4894"
+#: PR #3862's merge ('[docs] docs: Record MoE overlap smoke results', 2026-05-18): its A/B of EP overlap
+PR3862 = "750d0d322a96cc28688fbb74aa767b12b852c1cd"
+PR3862_FILES = ("skills/perf-expert-parallel-overlap/SKILL.md", "docs/training/communication-overlap.md",
+                "scripts/performance/utils/utils.py")
 FILES = ("scripts/performance/configs/qwen/qwen3_workload_base_configs.py",
          "scripts/performance/configs/qwen/qwen3_llm_pretrain.py", "scripts/performance/utils/overrides.py",
          "scripts/performance/argument_parser.py", "src/megatron/bridge/recipes/qwen/qwen3_moe.py")
@@ -116,12 +120,76 @@ def pr3868_row() -> dict:
     }
 
 
+def pr3862_row(overlap: bool) -> dict:
+    """PR #3862's A/B of the same shape (H100 x16, EP 16, alltoall, BF16, GBS 1024, CUDA graphs off,
+    ``moe_permute_fusion=false``): 'no EP overlap' 41.25 s, or 'EP overlap plus delay_wgrad_compute' 31.20 s
+    (Megatron-Core's ``--overlap-moe-expert-parallel-comm --delay-wgrad-compute`` at PP 1, which
+    ``--ep-comm-overlap`` models); its third case, 'EP overlap' without delayed wgrad (31.31 s), is in the note."""
+    row = pr3868_row()
+    step = 31.20 if overlap else 41.25
+    case = "EP overlap plus `delay_wgrad_compute`" if overlap else "no EP overlap"
+    table = ("| no EP overlap | 41.25s | 1.000x | / | EP overlap | 31.31s | 1.317x | / | EP overlap plus "
+             "`delay_wgrad_compute` | 31.20s | 1.322x |")
+    quoted = ("skills/perf-expert-parallel-overlap/SKILL.md 'Measured Short-Run Evidence': 'A 2026-05-18 current-main H100 "
+              "x16 Qwen3 30B-A3B mock pretraining run used `EP=16`, `alltoall`, BF16, global batch size 1024, CUDA graphs "
+              "disabled, and `moe_permute_fusion=false`. With iterations 3-8 as the steady window: | Case | Steady mean | "
+              f"Relative | {table}'")
+    row["id"] = f"nemo_mbridge_pr3862_h100_bf16_qwen3_30b_a3b_16gpu_{'ep_overlap_dwgrad' if overlap else 'no_ep_overlap'}"
+    row["source"] = {
+        "ref": ("NVIDIA-NeMo/Megatron-Bridge PR #3862 '[docs] docs: Record MoE overlap smoke results' (merged as "
+                f"{PR3862[:10]}, 2026-05-18): skills/perf-expert-parallel-overlap/SKILL.md 'Measured Short-Run "
+                f"Evidence', the case '{case}'"),
+        "repo": "NVIDIA-NeMo/Megatron-Bridge", "path": "skills/perf-expert-parallel-overlap/SKILL.md", "commit": PR3862,
+        "companions": [
+            "the PR's docs/training/communication-overlap.md: 'a 2026-05-18 current-main H100 x16 Qwen3 30B-A3B "
+            "mock-data rerun with `EP=16`, `alltoall`, CUDA graphs disabled, and `moe_permute_fusion=false` reduced "
+            "steady-state step time from 41.25s to 31.31s when enabling EP overlap / in that same run, adding "
+            "`delay_wgrad_compute` was neutral: 31.20s versus 31.31s for overlap-only'",
+            "the PR's description: '| A0 | alltoall, no EP overlap | 41.25s | 1.000x | / | A1 | EP overlap | 31.31s | "
+            "1.317x | / | A2 | EP overlap + delayed wgrad | 31.20s | 1.322x |'",
+            f"the layout of PR #3868's run of the same preset (nemo_mbridge_pr3868_h100_bf16_qwen3_30b_a3b_16gpu): "
+            f"QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_BF16_V1 at {MAIN}, WorkloadBaseConfig's TP 1, PP 1, CP 1, MBS 1 "
+            "(scripts/performance/utils/utils.py)"],
+        "source_row": quoted,
+        "columns": "Case, Steady mean (iterations 3-8), Relative"}
+    row["release"] = "Megatron-Bridge main 2026-05-18 (PR #3862)"
+    par = row["parallelism"]
+    if overlap:
+        par["ep_comm_overlap"] = "overlap_moe_expert_parallel_comm, delay_wgrad_compute (Megatron-Core's PP = 1 path)"
+        par["overlaps"] = "--overlap-grad-reduce --overlap-param-gather --ep-comm-overlap"
+    row["measured"] = {
+        "step_time_s": step, "tokens_per_sec_per_gpu": round(1024 * 4096 / step / 16),
+        "note": (f"the mean of iterations 3-8 of the case '{case}'; tokens/s/GPU = 1024 x 4096 / {step} / 16 (derived)."
+                 + (" The same PR's 'EP overlap' case without delayed wgrad: 31.31 s (not a row: --ep-comm-overlap "
+                    "models Megatron-Core's overlap with --delay-wgrad-compute)" if overlap else ""))}
+    basis = row["basis"]
+    for k in ("parallelism.tp", "parallelism.pp", "parallelism.cp", "parallelism.micro_batch"):
+        basis[k] = "stated_companion"
+    basis["parallelism.ep_comm_overlap"] = "stated"
+    row["inferences"]["parallelism.dispatcher"] = "'`alltoall`' (the PR's own words): NCCL's all-to-all"
+    row["inferences"]["parallelism.overlaps"] = (
+        "qwen3_30b_a3b_pretrain_config: overlap_grad_reduce, overlap_param_gather; EP overlap "
+        + ("on with delay_wgrad_compute (the case)" if overlap else "off (the case)"))
+    row["assumptions"] = [
+        "TP 1, PP 1, CP 1, MBS 1: the preset QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_BF16_V1 sets none of them "
+        "(WorkloadBaseConfig's defaults), as PR #3868's handoff comment of the same shape states them",
+        "CUDA graphs disabled (the PR's words): eager",
+        "moe_permute_fusion=false (the PR's words), which the planner does not tell apart",
+        "forced load balancing (random router logits) planned as --moe-routing topk's expected load",
+        "the container 'the available PyTorch 25.11 / TE / Triton stack' (the PR's description): the planner's newest "
+        "cuDNN rates",
+        "a short run (8 steps; the mean of iterations 3-8)"]
+    return row
+
+
 def build(mb: str) -> list[dict]:
-    for c in (MAIN, PR3868):
+    for c in (MAIN, PR3868, PR3862):
         subprocess.run(["git", "-C", mb, "cat-file", "-e", c], check=True)
     for f in FILES:
         subprocess.run(["git", "-C", mb, "cat-file", "-e", f"{MAIN}:{f}"], check=True)
-    return [pr3868_row()]
+    for f in PR3862_FILES:
+        subprocess.run(["git", "-C", mb, "cat-file", "-e", f"{PR3862}:{f}"], check=True)
+    return [pr3868_row(), pr3862_row(False), pr3862_row(True)]
 
 
 if __name__ == "__main__":

@@ -859,6 +859,21 @@ def test_mbridge_pr3868_row_is_expressed_as_its_comment_states_it() -> None:
     assert not set(MBRIDGE) & {r["id"] for r in ROWS} and not set(MBRIDGE) & set(NEMO)
 
 
+def test_mbridge_pr3862_pair_is_expressed_as_its_table_states_it() -> None:
+    # PR #3862's skill table (750d0d322): the same shape, 'no EP overlap | 41.25s', 'EP overlap plus
+    # `delay_wgrad_compute` | 31.20s' (iterations 3-8); Megatron-Core's PP = 1 overlap: --ep-comm-overlap at --grad-accum 64
+    for key, step, overlap in (("no_ep_overlap", 41.25, False), ("ep_overlap_dwgrad", 31.20, True)):
+        row = MBRIDGE[f"nemo_mbridge_pr3862_h100_bf16_qwen3_30b_a3b_16gpu_{key}"]
+        with tempfile.TemporaryDirectory() as d:
+            case = FID.express(row, Path(d))
+        argv = case.argv
+        assert case.metric == "step_time_s" and case.measured == step and case.gpus == 16
+        assert _opt(argv, "--mesh") == "dp=1,ep=16,tp=1" and _opt(argv, "--grad-accum") == "64"
+        assert ("--ep-comm-overlap" in argv) == overlap and "--microbatches" not in argv
+        assert row["source"]["commit"].startswith("750d0d322") and f"{step:.2f}s" in row["source"]["source_row"]
+    assert "31.31 s" in MBRIDGE["nemo_mbridge_pr3862_h100_bf16_qwen3_30b_a3b_16gpu_ep_overlap_dwgrad"]["measured"]["note"]
+
+
 def test_nemo_runs_are_kept_out_of_the_band_and_the_calibration() -> None:
     calibrate = (ROOT / "benchmarks" / "calibrate_sustained.py").read_text()
     assert "NEMO_RUNS" not in calibrate and "nemo-runs" not in calibrate and "fidelity.RUNS" in calibrate

@@ -29,6 +29,7 @@ from spmdkit.outputs.export import export_plan
 from spmdkit.outputs.export_torch import export_torch
 from spmdkit.outputs.html import save_html
 from spmdkit.planner.auto import AutoInfo
+from spmdkit.planner.ep_overlap import apply_flat_overlap, check_ep_comm_overlap
 from spmdkit.planner.planning import clip_repr, parse_size, plan_preset, plan_program
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
@@ -83,12 +84,17 @@ def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, 
 
 
 def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
-                  recompute: str, timed: bool = True) -> tuple[Plan, StepEstimate | None]:
+                  recompute: str, timed: bool = True, pipelined: bool = False) -> tuple[Plan, StepEstimate | None]:
     """``--device`` / ``--nodes-of``: the plan with its reshards timed by the device's links
     (``--cost`` applied on top) and the predicted step (None without ``--device`` or
     ``timed``); the plan carries ``--precision`` / ``--framework`` / ``--tp-comm-overlap``
-    (its runtime) either way."""
+    (its runtime) either way. ``--ep-comm-overlap`` on a plan without a pipeline (not
+    ``pipelined``): refused as Megatron-Core refuses it, else its merged steps taken off the step
+    (:func:`spmdkit.planner.ep_overlap.apply_flat_overlap`)."""
     plan = replace(plan, runtime=links.runtime())
+    flat = plan.runtime.ep_comm_overlap and not pipelined
+    if flat:
+        check_ep_comm_overlap(plan, None, recompute)
     if not links.device and not links.nodes_of:
         return plan, None
     device = load_device(str(links.device)) if links.device else None
@@ -102,7 +108,8 @@ def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
     if device is None or not timed:
         return plan, None
     tokens = config.batch * config.seq if config is not None else guess_tokens(plan.program)
-    return plan, estimate_step(plan, device, tokens, recompute)
+    est = estimate_step(plan, device, tokens, recompute)
+    return plan, apply_flat_overlap(plan, est, recompute) if flat else est
 
 
 def block_recompute(prog: Program, recompute: str) -> str:

@@ -83,7 +83,8 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     got = plan_pipeline_source(source, req.mesh_text, req.strategy, spec_args, user, req.links.cost,
                                parse_tp_plan(m.tp_plan), _stage_search(req, device))
     full_links = replace(req.links, cost=pp_cost_text(req.links.cost, full))
-    plan, _est = step_estimate(full_links, got.plan, None, per_microbatch_mode(recompute), timed=bool(req.outputs.html))
+    plan, _est = step_estimate(full_links, got.plan, None, per_microbatch_mode(recompute), timed=bool(req.outputs.html),
+                               pipelined=True)
     est = estimate_pipeline(plan, spec, got.counts, device, _pp_link(req.links, full, device), got.tokens, full.size,
                             recompute=recompute)
     worst = max(range(spec.pp), key=lambda r: est.memory[r].device_total)

@@ -72,7 +72,7 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
             if req.outputs.export:  # a bad format or folder refused before planning
                 check_target(*req.outputs.export)
             if runtime.ep_comm_overlap and devices:
-                raise ProgramError("--ep-comm-overlap: applies to one pipeline plan (--mesh with pp and ep); the "
+                raise ProgramError("--ep-comm-overlap: applies to one plan (--mesh with ep, with or without pp); the "
                                    "--devices search does not choose it")
             if req.outputs.recipe is not None and not devices:
                 raise ProgramError("--export-recipe: applies to --devices (the search's best recipe); give --devices N")
@@ -97,9 +97,6 @@ def _plan_one(req: PlanRequest, out: TextIO) -> int:
     ``--json`` encoding allocate hundreds of thousands of containers that live on, and each burst
     otherwise walks the whole heap (with the memo tables of the plans before it in a long-lived
     process), about half of a 100-layer pipeline's planning time."""
-    if req.links.ep_comm_overlap and not wants_pipeline(req):
-        raise ProgramError("--ep-comm-overlap: merges the forward and backward of an interleaved pipeline's "
-                           "steady state; this plan has no pipeline (give --mesh with pp=P and --schedule interleaved)")
     if wants_pipeline(req):
         if req.outputs.export and req.outputs.export[0] != "torch":
             raise ProgramError(f"--export {req.outputs.export[0]}: does not apply to a pipeline (pp) "

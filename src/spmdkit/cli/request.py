@@ -388,8 +388,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "weights in float8 (torchao's enable_fsdp_float8_all_gather with "
                         "precompute_float8_dynamic_scale_for_fsdp): 1 byte an element gathered and held")
     p.add_argument("--ep-comm-overlap", dest="ep_comm_overlap", action="store_true",
-                   help="mixture of experts, interleaved pipeline: a forward and another microbatch's backward run "
-                        "as one merged step, each one's expert-parallel all-to-alls under the other's computation "
+                   help="mixture of experts, interleaved pipeline or no pipeline (--grad-accum microbatches): a "
+                        "forward and another microbatch's backward run as one merged step, each one's expert-parallel all-to-alls under the other's computation "
                         "(Megatron-Core's --overlap-moe-expert-parallel-comm with --delay-wgrad-compute)")
     p.add_argument("--no-p2p-overlap", dest="p2p_overlap", action="store_false",
                    help="pipeline: every stage-to-stage send blocks its sender (Megatron-LM before 2023, "

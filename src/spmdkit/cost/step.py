@@ -113,6 +113,8 @@ class StepEstimate:
     #: kernels :attr:`spmdkit.cost.devices.Device.slowdown` times as long): part of
     #: :attr:`compute_s`
     slowest_gpu_s: float = 0.0
+    #: --ep-comm-overlap without a pipeline: the merged steps (:func:`spmdkit.planner.ep_overlap.apply_flat_overlap`)
+    ep_overlap: dict[str, Any] | None = None
 
     @property
     def compute_total_s(self) -> float:
@@ -184,7 +186,7 @@ class StepEstimate:
                 "hardware_flops": self.hardware_flops, "hfu": self.hfu, "regathers": self.regathers,
                 "memory_bound_ops": self.memory_bound_ops,
                 "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered),
-                "cp": self.cp,
+                "cp": self.cp, **({"ep_comm_overlap": self.ep_overlap} if self.ep_overlap is not None else {}),
                 "error_band": band.to_json() if (band := error_band(self.device.name, self.cp > 1, self.moe)) is not None
                 else None}
 

@@ -411,6 +411,13 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
     exposed = est.step_overlap_s - est.compute_total_s
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
               f"reductions overlapped with the backward ({fmt_time(exposed)} of communication exposed)\n")
+    if est.ep_overlap is not None:
+        eo = est.ep_overlap
+        m = eo["microbatches"]
+        out.write(f"ep all-to-all overlap (--ep-comm-overlap, no pipeline): {m} microbatches as Megatron-Core's "
+                  f"combined_1f1b_schedule_for_no_pipelining runs them ({eo['merged_steps']} merged forward-and-backward "
+                  f"steps, the first forward and the last backward alone) hide {fmt_time(eo['hidden_s'])} of the "
+                  f"{fmt_time(m * eo['a2a_s'])} of expert all-to-alls (in the step time above)\n")
     if d.slowdown > 1.0:
         share = est.slowest_gpu_s / est.step_overlap_s if est.step_overlap_s > 0 else 0.0
         out.write(f"slowest GPU: the step waits for the slowest of its {d.gpus} GPUs, expected "

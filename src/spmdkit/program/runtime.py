@@ -16,10 +16,11 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
 - ``tp_comm_overlap``: the tensor-parallel all-gathers and reduce-scatters run under the GEMMs
   that consume or produce them (Megatron's ``--tp-comm-overlap``, torch's async TP).
 - ``ep_comm_overlap``: Megatron-Core's ``--overlap-moe-expert-parallel-comm`` (with
-  ``--delay-wgrad-compute``): in the interleaved pipeline's steady state a forward and another
-  microbatch's backward run as one merged step, each one's expert-parallel all-to-alls under
-  the other's computation, node by node as Megatron-Core's schedule plan runs them
-  (:mod:`spmdkit.planner.schedules`, :mod:`spmdkit.planner.chunk_plan`, docs/experts.md).
+  ``--delay-wgrad-compute``): in the interleaved pipeline's steady state, or without a pipeline
+  between gradient-accumulation microbatches, a forward and another microbatch's backward run as
+  one merged step, each one's expert-parallel all-to-alls under the other's computation, node by
+  node as Megatron-Core's schedule plan runs them (:mod:`spmdkit.planner.schedules`,
+  :mod:`spmdkit.planner.chunk_plan`, :mod:`spmdkit.planner.ep_overlap`, docs/experts.md).
 - ``grad_dtype``: ``fp32`` or ``bf16``, the dtype the framework accumulates and reduces the
   gradients in (Megatron-LM's ``--accumulate-allreduce-grads-in-fp32``, Megatron-Core's
   ``grad_reduce_in_fp32``, NeMo's ``optim.grad_sync_dtype``); None: the framework's default
