@@ -13,36 +13,22 @@ import tomllib
 from dataclasses import replace
 
 import pytest
+from tests.test_torchao_casts import H100, HIDDEN, SEQ, _casts, _plan
 
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.cost import step as st
-from spmdkit.cost.compute import fp8_layers, op_cost
-from spmdkit.cost.devices import DEVICES, cost_model, recost
+from spmdkit.cost.compute import fp8_layers
 from spmdkit.cost.float8_tp import amax_all_reduces, float8_tp_gathers
 from spmdkit.cost.step_comm import communication
 from spmdkit.cost.step_compute import step_compute
 from spmdkit.cost.torchao_casts import RESCALE, ROW_CAST, ROW_CAST_T, ROW_GRAD_OUT, rowwise_cast_bytes
 from spmdkit.outputs.recipe import recipe, torchtitan_toml
-from spmdkit.planner.planning import plan_model
 from spmdkit.planner.search import Config, config_candidates
-from spmdkit.program.plan import Plan
 from spmdkit.program.runtime import FLOAT8_RECIPES, Runtime
 
-H100 = DEVICES["h100"]
-SEQ, HIDDEN, FFN = 2048, 4096, 11008  # llama-7b, one sequence of 2,048
 TENSORWISE = Runtime(framework="torchtitan", precision="fp8", compile=True)
 ROWWISE = replace(TENSORWISE, float8_recipe="rowwise")
-
-
-def _plan(mesh: str, strategy: str, rt: Runtime, batch: int = 1) -> Plan:
-    _, plan, _ = plan_model("llama-7b", mesh, strategy, {"layers": 1, "seq": SEQ, "batch": batch})
-    return replace(recost(plan, cost_model(plan.mesh, H100)), runtime=rt)
-
-
-def _casts(plan: Plan) -> dict[str, float]:
-    return {plan.program.ops[i].name: c.cast_bytes for i in range(len(plan.program.ops))
-            if (c := op_cost(plan, i)).fp8}
 
 
 def _cli_error(*extra: str) -> str:
