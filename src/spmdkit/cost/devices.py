@@ -115,6 +115,9 @@ class Device:
     rates: Rates = GENERIC_RATES
     #: the GPUs that run the training step together (:meth:`lockstep`; 1: this one alone)
     gpus: int = 1
+    #: NCCL's p2p channels (``p2pnChannels``, one CTA each) on one node and across nodes, as
+    #: NCCL reports them on the machine (:mod:`spmdkit.cost.nccl_p2p`); (0, 0) not known
+    nccl_p2p_channels: tuple[int, int] = (0, 0)
     #: this device at other ``gpus`` (:meth:`at`), shared by all of them: one object per count,
     #: so the caches keyed by a device's id see the same one
     _at: dict[int, Device] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -314,6 +317,12 @@ _A100_PEAKS = {"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T, "fp32": 19.5 *
 _H100_PEAKS = {"bf16": 989.5 * T, "fp16": 989.5 * T, "tf32": 494.5 * T, "fp32": 67 * T, "fp64": 34 * T,
                "fp8": 1979 * T}
 
+#: NCCL's p2p channels on 8 H100 SXM (NVSwitch, 18 NVLinks) per node: "24 coll channels, 16 nvls
+#: channels, 32 p2p channels, 32 p2p channels per peer" on one node, "16 coll channels, 16 nvls
+#: channels, 16 p2p channels, 2 p2p channels per peer" on two (NCCL_DEBUG=INFO of nccl-tests on
+#: p5.48xlarge: aws-samples/aws-do-eks Container-Root/eks/deployment/nccl-test/README.md at 701c554)
+_H100_NCCL_P2P = (32, 16)
+
 #: The presets (docs/devices.md gives the datasheet of every figure; dense, not sparse).
 DEVICES: dict[str, Device] = {
     "a100-40gb": Device("NVIDIA A100 SXM4 40GB", dict(_A100_PEAKS), 1555 * G, 40 * 1024**3, _NVLINK3, _IB_HDR,
@@ -321,7 +330,7 @@ DEVICES: dict[str, Device] = {
     "a100-80gb": Device("NVIDIA A100 SXM4 80GB", dict(_A100_PEAKS), 2039 * G, 80 * 1024**3, _NVLINK3, _IB_HDR,
                         rates=A100_RATES),
     "h100": Device("NVIDIA H100 SXM5 80GB", dict(_H100_PEAKS), 3350 * G, 80 * 1024**3, _NVLINK4, _IB_NDR,
-                   rates=H100_RATES),
+                   rates=H100_RATES, nccl_p2p_channels=_H100_NCCL_P2P),
     "h200": Device("NVIDIA H200 SXM5 141GB", dict(_H100_PEAKS), 4800 * G, 141 * 10**9, _NVLINK4, _IB_NDR,
                    rates=H200_RATES),
     "h800": Device("NVIDIA H800 SXM5 80GB", dict(_H100_PEAKS), 3350 * G, 80 * 1024**3, _NVLINK4_H800, _IB_NDR,
@@ -420,7 +429,9 @@ def device_from_json(obj: Any) -> Device:
             raise ProgramError("--device power_limit_w: give it or efficiency.clock, not both")
         watts = _num("power_limit_w", obj["power_limit_w"])
         rates = replace(rates, clock=clock_at_power(rates, watts, base.name if base else str(name)))
-    return Device(name[:100], peak, hbm, mem, intra, inter, rpn, tf32, measured, rates)
+    # NCCL's channels follow the machine's links: the base's, unless its node is redrawn
+    nccl = base.nccl_p2p_channels if base and not {"intra_node", "ranks_per_node"} & obj.keys() else (0, 0)
+    return Device(name[:100], peak, hbm, mem, intra, inter, rpn, tf32, measured, rates, nccl_p2p_channels=nccl)
 
 
 def preset_of_gpu(name: str, memory_bytes: int) -> str | None:

@@ -62,6 +62,7 @@ from spmdkit.core.dist_attr import entry_dims
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.reshard import Step
 from spmdkit.cost.collectives import NcclCostModel, buffer_bytes, deduplicated_all_to_all, time_of
+from spmdkit.cost.nccl_p2p import a2a_ctas
 from spmdkit.cost.rates import RowGroup
 from spmdkit.engine.facts import LocalOp, OpCost
 from spmdkit.engine.memo import Recent
@@ -564,14 +565,38 @@ def reached(layer: MoeLayer, nodes: int, ranks: int, routing: str = "topk") -> t
 DEEPEP_SMS = 20
 
 
-def a2a_compute_share(plan: Plan, sms: int) -> float:
+def a2a_compute_share(plan: Plan, sms: int, p2p_channels: tuple[int, int] = (0, 0)) -> float:
     """The share of a GPU of ``sms`` SMs left to other work while a MoE all-to-all runs beside it
     (``--ep-comm-overlap``'s merged steps): under ``--moe-dispatcher deepep`` DeepEP's kernels
-    keep :data:`DEEPEP_SMS` of them, ``(sms - 20) / sms`` (0.848 on an H100's 132); 1 under
-    NCCL's all-to-all, whose channels' SMs no source states as a count (not modelled)."""
-    if plan.runtime.moe_dispatcher != "deepep" or sms <= DEEPEP_SMS:
-        return 1.0
-    return (sms - DEEPEP_SMS) / sms
+    keep :data:`DEEPEP_SMS` of them, ``(sms - 20) / sms`` (0.848 on an H100's 132); under
+    ``alltoall`` NCCL's send/recv kernel keeps one SM per CTA, ``(sms - ctas) / sms``
+    (:func:`nccl_a2a_ctas`: 0.970 for an ep group of 16 over two H100 nodes, 0.758 for 8 in one);
+    1 where the device gives no NCCL channel counts (``p2p_channels``: the device's
+    ``nccl_p2p_channels``) or the cost model is not NCCL's."""
+    if plan.runtime.moe_dispatcher == "deepep":
+        return (sms - DEEPEP_SMS) / sms if sms > DEEPEP_SMS else 1.0
+    ctas = nccl_a2a_ctas(plan, p2p_channels)
+    return (sms - ctas) / sms if 0 < ctas < sms else 1.0
+
+
+def nccl_a2a_ctas(plan: Plan, p2p_channels: tuple[int, int]) -> int:
+    """The CTAs NCCL's all-to-all over the plan's ep group launches (:func:`spmdkit.cost.nccl_p2p.a2a_ctas`,
+    messages of megabytes): the group of the first MoE layer's expert dims, on ``p2p_channels[0]``
+    channels in one node or ``p2p_channels[1]`` across nodes; 0 without expert parallelism, an NCCL
+    cost model or a channel count."""
+    if not isinstance(plan.cost, NcclCostModel):
+        return 0
+    for layer in moe_layers(plan.program):
+        for s in layer.stacks:
+            a = plan.attrs.get(s)
+            if a is None or not a.dims_mapping or plan.program.tensors[s].shape[0] != layer.experts:
+                continue
+            dims = entry_dims(a.dims_mapping[0])
+            if not dims:
+                continue
+            g = plan.cost.group(dims)
+            return a2a_ctas(g.ranks, g.per_node, p2p_channels[0] if g.nodes <= 1 else p2p_channels[1])
+    return 0
 
 
 def expert_all_to_all(plan: Plan, tensor: str, s: Step) -> float:

@@ -32,8 +32,8 @@ its chunk's node before it have ended, the weight gradients once their stream's 
 layer has no dispatch or combine node (Megatron's ``NoopScheduleNode``): its work runs on the
 computation stream.
 
-Under DeepEP the computation stream's kernels run on the SMs DeepEP's leave while an all-to-all
-runs beside them (``share``: :func:`spmdkit.cost.moe.a2a_compute_share`): a computation node's
+The computation stream's kernels run on the SMs DeepEP's kernels (or NCCL's all-to-all's CTAs)
+leave while an all-to-all runs beside them (``share``: :func:`spmdkit.cost.moe.a2a_compute_share`): a computation node's
 work advances at ``share`` of its speed while an all-to-all runs on the other stream, at full
 speed otherwise.
 """

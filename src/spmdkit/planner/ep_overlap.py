@@ -120,7 +120,7 @@ def flat_overlap(plan: Plan, device: Device, recompute: str) -> FlatOverlap:
     counts = (len(layer_tags(prog)),)
     sc = stage_costs(plan, [0] * len(prog.ops), counts, device.lockstep(plan.mesh.size), recompute)[0]
     chunk = sc.chunk or ChunkOps()
-    share = a2a_compute_share(plan, device.rates.sms)
+    share = a2a_compute_share(plan, device.rates.sms, device.nccl_p2p_channels)
     m = plan.grad_accum
     f, b = sc.forward_s, sc.backward_s + sc.recompute_s
     run = flat_schedule(chunk, f, b, m, share)

@@ -495,7 +495,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     est.inputs = ScheduleInputs([c.forward_s for c in costs], bwd, send_f, send_b,
                                 None if plan.runtime.p2p_overlap else True, [c.weight_s for c in costs] if zb else None,
                                 [c.chunk or ChunkOps() for c in costs] if overlap else None,
-                                a2a_compute_share(plan, device.rates.sms) if overlap else 1.0,
+                                a2a_compute_share(plan, device.rates.sms, device.nccl_p2p_channels) if overlap else 1.0,
                                 [(c.copy_out_s, c.copy_in_s) for c in costs] if p > 1 and any(
                                     c.copy_out_s or c.copy_in_s for c in costs) else None)
     run = est.run = est.inputs.run(spec.schedule, p, v, m, spec.group)

@@ -218,7 +218,7 @@ class ScheduleInputs:
     #: runs through it (``--ep-comm-overlap``: :func:`run_schedule`, :mod:`spmdkit.planner.chunk_plan`)
     a2a: list[ChunkOps] | None = None
     #: the share of the GPU's compute the partner's work runs at while an all-to-all of a merged
-    #: step runs (DeepEP's kernels keep SMs of their own: :func:`spmdkit.cost.moe.a2a_compute_share`)
+    #: step runs (DeepEP's or NCCL's kernels keep SMs of their own: :func:`spmdkit.cost.moe.a2a_compute_share`)
     a2a_share: float = 1.0
     #: per virtual stage: the seconds its first microbatch's forward and its last microbatch's
     #: backward take more, once a step (FSDP2's copy-out and copy-in: :func:`run_schedule`)
