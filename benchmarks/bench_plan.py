@@ -31,7 +31,9 @@ from spmdkit.cost.memory import memory_per_device
 from spmdkit.cost.step import estimate_step
 from spmdkit.models.zoo import build_model, preset
 from spmdkit.ops import clear_cache
-from spmdkit.planner.pipeline import PipelineSpec, estimate_pipeline, parse_spec, split_layers, sub_mesh_text
+from spmdkit.planner.pipeline import estimate_pipeline
+from spmdkit.planner.pipeline_plan import sub_mesh_text
+from spmdkit.planner.pipeline_split import PipelineSpec, parse_spec, split_layers
 from spmdkit.planner.propagate import propagate
 from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy
 

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from spmdkit.cost.devices import cost_model, preset_device, recost
 from spmdkit.models.zoo import ModelConfig, build_model
-from spmdkit.planner.pipeline import PipelineSpec, estimate_pipeline, split_layers
+from spmdkit.planner.pipeline import estimate_pipeline
+from spmdkit.planner.pipeline_split import PipelineSpec, split_layers
 from spmdkit.planner.propagate import propagate
 from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy
 

@@ -26,18 +26,10 @@ from dataclasses import replace
 from typing import Any
 
 from spmdkit.cost.devices import load_device
-from spmdkit.planner.search import (
-    Config,
-    _bounds,
-    _floor,
-    _Job,
-    _model_sizes,
-    _step_bound,
-    config_candidates,
-    search_meshes,
-)
+from spmdkit.planner.search import Config, _bounds, _floor, _model_sizes, _step_bound, config_candidates, search_meshes
 from spmdkit.planner.search_blocks import blocks_k
 from spmdkit.planner.search_bounds import memory_bound
+from spmdkit.planner.search_config import _Job
 
 GIB = 2**30
 

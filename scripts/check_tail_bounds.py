@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from spmdkit.cost.devices import load_device
-from spmdkit.planner import search, search_floor
+from spmdkit.planner import search, search_config, search_floor
 from spmdkit.planner.search_floor import StepFloor
 
 
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
             fastest.setdefault(key, math.inf)
     mc, sizes = search._model_sizes(model, over)
     dev = load_device(device)
-    job = search._Job(dev, sizes.tokens, ["none", "selective", "full"], dev.memory_bytes, None, None, None, 30.0)
+    job = search_config._Job(dev, sizes.tokens, ["none", "selective", "full"], dev.memory_bytes, None, None, None, 30.0)
     bounds = search._bounds(model, mc, job)
     floor = search._floor(model, mc, job, bounds)
     best = res.best.step_s if res.best else math.inf

@@ -16,7 +16,8 @@ from spmdkit.cost.collectives import Fabric, Group, NcclCostModel, collective_ti
 from spmdkit.cost.devices import cost_model, device_from_json, preset_device, recost
 from spmdkit.cost.step import estimate_step, op_communication
 from spmdkit.cost.step_comm import param_gather_time, tp_overlap_exposed
-from spmdkit.planner.pipeline import PipelineSpec, estimate_pipeline, run_schedule, split_layers
+from spmdkit.planner.pipeline import estimate_pipeline, run_schedule
+from spmdkit.planner.pipeline_split import PipelineSpec, split_layers
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.runtime import Runtime
 

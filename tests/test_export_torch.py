@@ -374,7 +374,8 @@ def test_gpt2_pipeline_tied_copies_and_its_own_stage_forward(tmp_path: Path, cap
     from spmdkit.cli import main
     from spmdkit.models.source import HFModel
     from spmdkit.outputs.export_torch_pp import tied_copies
-    from spmdkit.planner.pipeline import op_stages, plan_pipeline_source
+    from spmdkit.planner.pipeline_plan import plan_pipeline_source
+    from spmdkit.planner.pipeline_split import op_stages
 
     path = tmp_path / "gpt2pp.py"
     argv = ["plan", "--hf", "GPT2LMHeadModel", "--hf-config", json.dumps(GPT2), "--mesh", "pp=2,tp=2",

@@ -109,7 +109,8 @@ def test_search_bounds_fold_exactly(model: str, over: dict[str, int]) -> None:
     from dataclasses import replace
 
     from spmdkit.cost.devices import load_device
-    from spmdkit.planner.search import RECOMPUTE_MODES, _bounds, _Job, _model_sizes
+    from spmdkit.planner.search import _bounds, _model_sizes
+    from spmdkit.planner.search_config import RECOMPUTE_MODES, _Job
 
     mc, sizes = _model_sizes(model, over)
     dev = load_device("h100")

@@ -16,7 +16,8 @@ import pytest
 
 from spmdkit.cli import main
 from spmdkit.planner.pipeline import PipelineEstimate
-from spmdkit.planner.search import Candidate, Config, config_candidates
+from spmdkit.planner.search import Config, config_candidates
+from spmdkit.planner.search_config import Candidate
 from spmdkit.planner.stage_costs import reduce_gradients
 from spmdkit.program.runtime import Runtime
 

@@ -15,7 +15,7 @@ pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdki
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
 
 from spmdkit.cli import main
-from spmdkit.planner.pipeline import parse_spec
+from spmdkit.planner.pipeline_split import parse_spec
 from spmdkit.sim import verify_plan
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]

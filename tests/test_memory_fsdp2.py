@@ -10,8 +10,9 @@ from typing import Any
 from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory import ALLOCATOR_RESERVE, memory_per_device
 from spmdkit.cost.memory_fsdp2 import copy_in_pool, gather_sizes, gathered_numels, pair_peak, param_groups
-from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline
+from spmdkit.planner.pipeline import estimate_pipeline
 from spmdkit.planner.pipeline_memory import ChunkBytes, torch_rank_memory
+from spmdkit.planner.pipeline_plan import plan_pipeline
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.runtime import Runtime
 

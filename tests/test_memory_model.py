@@ -26,7 +26,8 @@ from spmdkit.cost.memory import (
 from spmdkit.cost.memory_saved import SHAPE_ONLY, saved_activations, value_spans
 from spmdkit.models.zoo import ModelConfig, build_model
 from spmdkit.outputs.html import render_html
-from spmdkit.planner.pipeline import PipelineSpec, estimate_pipeline, in_flight, op_stages, split_layers, stage_costs
+from spmdkit.planner.pipeline import estimate_pipeline, in_flight, stage_costs
+from spmdkit.planner.pipeline_split import PipelineSpec, op_stages, split_layers
 from spmdkit.planner.planning import plan_model
 from spmdkit.planner.propagate import propagate
 from spmdkit.program.plan import Plan

@@ -16,7 +16,9 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import preset_device
 from spmdkit.planner.bubble import bubble_hint
 from spmdkit.planner.chunk_plan import ChunkOps, LayerOps
-from spmdkit.planner.pipeline import estimate_pipeline, parse_spec, plan_pipeline
+from spmdkit.planner.pipeline import estimate_pipeline
+from spmdkit.planner.pipeline_plan import plan_pipeline
+from spmdkit.planner.pipeline_split import parse_spec
 from spmdkit.planner.schedules import (
     held_counts,
     in_flight,

@@ -22,7 +22,8 @@ from spmdkit.cost.step import estimate_step
 from spmdkit.models.hf_config import hf_fields
 from spmdkit.models.zoo import preset
 from spmdkit.planner.planning import plan_preset
-from spmdkit.planner.search import _bounds, _Job, _model_sizes, search_meshes
+from spmdkit.planner.search import _bounds, _model_sizes, search_meshes
+from spmdkit.planner.search_config import _Job
 from spmdkit.program.runtime import Runtime
 from spmdkit.sim.refs.moe import dispatch, limit_groups
 

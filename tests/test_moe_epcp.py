@@ -26,7 +26,8 @@ from spmdkit.cost.context import cp_ops, ring_costs
 from spmdkit.cost.devices import DEVICES
 from spmdkit.engine.registry import get_rule
 from spmdkit.planner.fuse import infer_fused
-from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline
+from spmdkit.planner.pipeline import estimate_pipeline
+from spmdkit.planner.pipeline_plan import plan_pipeline
 from spmdkit.planner.planning import plan_model
 from spmdkit.sim.plan import simulate_plan
 from spmdkit.sim.verify_plan import tiny_for_mesh

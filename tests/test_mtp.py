@@ -14,7 +14,7 @@ from spmdkit.cost.compute import model_flops
 from spmdkit.cost.memory_saved import recompute_regions
 from spmdkit.models.params import count_params, parameters
 from spmdkit.models.zoo import build_model, preset, tiny_like
-from spmdkit.planner.pipeline import PipelineSpec, op_stages
+from spmdkit.planner.pipeline_split import PipelineSpec, op_stages
 from spmdkit.planner.planning import plan_model
 from spmdkit.planner.stage_costs import shared_parameters
 from spmdkit.sim.plan import simulate_plan
@@ -75,7 +75,7 @@ def test_the_module_is_on_the_last_stage_with_a_copy_of_the_embedding() -> None:
 def test_a_pipeline_all_reduces_the_embeddings_copies() -> None:
     """pp=2 on a tiny MTP model: the first and the last stage all-reduce the embedding's gradient
     (the time is that of the tied embedding of a gpt2 with tied_embeddings); without MTP, none."""
-    from spmdkit.planner.pipeline import plan_pipeline
+    from spmdkit.planner.pipeline_plan import plan_pipeline
 
     def tied(model: str) -> list[float]:
         from spmdkit.cost.devices import DEVICES

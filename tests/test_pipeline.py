@@ -10,18 +10,9 @@ import pytest
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import preset_device
-from spmdkit.planner.pipeline import (
-    PipelineSpec,
-    bubble_formula,
-    estimate_pipeline,
-    in_flight,
-    op_stages,
-    parse_spec,
-    plan_pipeline,
-    run_schedule,
-    schedule_order,
-    split_layers,
-)
+from spmdkit.planner.pipeline import bubble_formula, estimate_pipeline, in_flight, run_schedule, schedule_order
+from spmdkit.planner.pipeline_plan import plan_pipeline
+from spmdkit.planner.pipeline_split import PipelineSpec, op_stages, parse_spec, split_layers
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

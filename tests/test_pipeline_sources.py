@@ -16,15 +16,9 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import preset_device
 from spmdkit.models.source import HFModel, Preset
 from spmdkit.models.zoo import build_model, preset
-from spmdkit.planner.pipeline import (
-    PipelineSpec,
-    balanced_split,
-    estimate_pipeline,
-    even_split,
-    op_stages,
-    plan_pipeline_source,
-    split_layers,
-)
+from spmdkit.planner.pipeline import balanced_split, estimate_pipeline, even_split
+from spmdkit.planner.pipeline_plan import plan_pipeline_source
+from spmdkit.planner.pipeline_split import PipelineSpec, op_stages, split_layers
 from spmdkit.program.layers import layer_tags
 
 #: tiny-llama (hidden 16, 4 heads, 2 kv heads, FFN 32, vocab 64) as an HF config, 4 layers

@@ -13,8 +13,9 @@ from spmdkit.cost import memory as mem
 from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory_cp import allgather_buffers, shared_gathers, torch_allgather_bytes
 from spmdkit.cost.memory_saved import rerun_points, saved_activations
-from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline
+from spmdkit.planner.pipeline import estimate_pipeline
 from spmdkit.planner.pipeline_memory import ChunkBytes, torch_order, torch_rank_memory
+from spmdkit.planner.pipeline_plan import plan_pipeline
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.runtime import Runtime
 

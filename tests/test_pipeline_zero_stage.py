@@ -19,16 +19,9 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.cost.compute import model_flops
 from spmdkit.cost.devices import preset_device
 from spmdkit.planner.fold_stages import deep_pipeline, stage_copy
-from spmdkit.planner.pipeline import (
-    PipelineEstimate,
-    PipelineSpec,
-    estimate_pipeline,
-    op_stages,
-    op_units,
-    plan_pipeline,
-    plan_unit_costs,
-    split_layers,
-)
+from spmdkit.planner.pipeline import PipelineEstimate, estimate_pipeline, plan_unit_costs
+from spmdkit.planner.pipeline_plan import plan_pipeline
+from spmdkit.planner.pipeline_split import PipelineSpec, op_stages, op_units, split_layers
 from spmdkit.planner.stage_costs import stage_costs
 
 M = 8  # microbatches

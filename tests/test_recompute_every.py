@@ -25,7 +25,8 @@ from spmdkit.cost.memory import check_recompute, memory_per_device
 from spmdkit.cost.memory_saved import recompute_regions, saved_activations
 from spmdkit.cost.step import estimate_step
 from spmdkit.outputs.recipe import megatron_args, recipe, recipe_warning, torchtitan_toml
-from spmdkit.planner.pipeline import PipelineSpec, estimate_pipeline, every_layers
+from spmdkit.planner.pipeline import estimate_pipeline
+from spmdkit.planner.pipeline_split import PipelineSpec, every_layers
 from spmdkit.planner.planning import plan_model
 from spmdkit.planner.search import Config, config_candidates
 from spmdkit.program.runtime import Runtime

@@ -20,20 +20,10 @@ from spmdkit.cli import main
 from spmdkit.cost.devices import load_device
 from spmdkit.cost.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP
 from spmdkit.outputs.recipe import megatron_args, recipe, recipe_warning, torchtitan_toml
-from spmdkit.planner.search import (
-    Config,
-    _bounds,
-    _floor,
-    _Job,
-    _model_sizes,
-    _only,
-    _plan_preset_config,
-    _step_bound,
-    config_candidates,
-    search_meshes,
-)
+from spmdkit.planner.search import Config, _bounds, _floor, _model_sizes, _step_bound, config_candidates, search_meshes
 from spmdkit.planner.search_blocks import blocks_floor, least_blocks, wants_blocks
 from spmdkit.planner.search_bounds import Bounds
+from spmdkit.planner.search_config import _Job, _only, _plan_preset_config
 from spmdkit.program.runtime import Runtime
 
 MODEL = "llama3-8b"

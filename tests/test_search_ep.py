@@ -16,9 +16,11 @@ from spmdkit.cost.devices import DEVICES, cost_model, recost
 from spmdkit.cost.step import estimate_step
 from spmdkit.outputs.dtensor_ep import expert_parallel_statement
 from spmdkit.outputs.export import dtensor_document
-from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline
+from spmdkit.planner.pipeline import estimate_pipeline
+from spmdkit.planner.pipeline_plan import plan_pipeline
 from spmdkit.planner.planning import plan_model
-from spmdkit.planner.search import Config, _bounds, _Job, _model_sizes, _work, hand_strategies, search_meshes
+from spmdkit.planner.search import Config, _bounds, _model_sizes, _work, hand_strategies, search_meshes
+from spmdkit.planner.search_config import _Job
 from spmdkit.program.runtime import Runtime
 
 #: a small MoE whose experts dominate its parameters (4 experts of width 4096)

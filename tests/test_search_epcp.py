@@ -16,7 +16,8 @@ import tomllib
 
 from spmdkit.cost.devices import DEVICES
 from spmdkit.outputs.recipe import megatron_args, recipe, torchtitan_toml
-from spmdkit.planner.search import _bounds, _Job, _model_sizes, _work, config_candidates, search_meshes
+from spmdkit.planner.search import _bounds, _model_sizes, _work, config_candidates, search_meshes
+from spmdkit.planner.search_config import _Job
 from spmdkit.planner.search_space import CP_VARIANTS, Config, context_degrees, ep_from_cp_degrees, hand_strategies
 from spmdkit.program.runtime import Runtime
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from spmdkit.cost.devices import load_device
-from spmdkit.planner.search import Config, _floor, _Job, _model_sizes, config_candidates, search_meshes
+from spmdkit.planner.search import Config, _floor, _model_sizes, config_candidates, search_meshes
+from spmdkit.planner.search_config import _Job
 from spmdkit.planner.search_floor import Units, base_strategy, busiest_rank
 from spmdkit.planner.search_floor_layers import split_levels
 
@@ -63,7 +64,7 @@ def test_the_zero3_floor_counts_the_gathers_the_plan_leaves_exposed() -> None:
     whole model's plan has them (the two shallow copies extrapolated), and both raise the floor."""
     from spmdkit.cost.step import op_communication
     from spmdkit.cost.step_comm import layer_groups
-    from spmdkit.planner.search import _preset_plan
+    from spmdkit.planner.search_config import _preset_plan
 
     mc, job = _job(MODEL, OVER)
     floor = _floor(MODEL, mc, job)

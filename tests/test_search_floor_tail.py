@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from spmdkit.cost.devices import load_device
-from spmdkit.planner.search import Config, _floor, _Job, _model_sizes, config_candidates
+from spmdkit.planner.search import Config, _floor, _model_sizes, config_candidates
+from spmdkit.planner.search_config import _Job
 from spmdkit.planner.search_floor import Units, busiest_rank
 from spmdkit.planner.search_floor_layers import level_low
 from spmdkit.planner.stage_costs import reduce_gradients

@@ -1,5 +1,5 @@
 """An uneven pipeline's split in the search: the layers that do not divide into the stages are split
-as ``spmdkit plan`` splits them (balanced by predicted time: pipeline.auto_counts), the same split
+as ``spmdkit plan`` splits them (balanced by predicted time: pipeline_split.auto_counts), the same split
 for every recomputation mode, so the search prices a configuration as the command plans it; before,
 the search split them once under the memory cap as no recomputation holds them and priced full
 recomputation (and full:K) on that split, too slow."""

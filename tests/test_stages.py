@@ -17,14 +17,9 @@ from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory import check_recompute
 from spmdkit.cost.step import op_communication
 from spmdkit.planner.partition import UnitCosts, even_split, partition, simulate_split, stage_loads, unit_costs
-from spmdkit.planner.pipeline import (
-    estimate_pipeline,
-    op_stages,
-    parse_spec,
-    plan_pipeline,
-    plan_unit_costs,
-    stage_costs,
-)
+from spmdkit.planner.pipeline import estimate_pipeline, plan_unit_costs, stage_costs
+from spmdkit.planner.pipeline_plan import plan_pipeline
+from spmdkit.planner.pipeline_split import op_stages, parse_spec
 from spmdkit.planner.schedules import bubble_formula, held_counts, in_flight, run_schedule, schedule_order
 
 # -- the partition ----------------------------------------------------------------------------------

@@ -25,9 +25,11 @@ from spmdkit.outputs.recipe import check_recipe_target, recipe, recipe_warning, 
 from spmdkit.outputs.report import plan_json, write_report
 from spmdkit.outputs.search import search_json, write_search
 from spmdkit.planner.bubble import BubbleHint, bubble_hint
-from spmdkit.planner.pipeline import PipelineEstimate, pp_cost_text
+from spmdkit.planner.pipeline import PipelineEstimate
+from spmdkit.planner.pipeline_plan import pp_cost_text
 from spmdkit.planner.planning import MAX_SIZE, parse_cost, parse_size
-from spmdkit.planner.search import Candidate, SearchResult, search_meshes
+from spmdkit.planner.search import SearchResult, search_meshes
+from spmdkit.planner.search_config import Candidate
 from spmdkit.planner.search_space import CpTrace
 from spmdkit.program.ir import Program
 from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh

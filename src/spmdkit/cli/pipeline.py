@@ -36,16 +36,9 @@ from spmdkit.outputs.pipeline import bubble_line, write_pipeline
 from spmdkit.outputs.report import explain_table, plan_json, write_report
 from spmdkit.planner.auto.stage import StageSearch, auto_title
 from spmdkit.planner.bubble import bubble_hint
-from spmdkit.planner.pipeline import (
-    PipelinePlan,
-    PipelineSpec,
-    auto_counts,
-    estimate_pipeline,
-    parse_spec,
-    plan_pipeline_source,
-    pp_cost_text,
-    sub_mesh_text,
-)
+from spmdkit.planner.pipeline import estimate_pipeline
+from spmdkit.planner.pipeline_plan import PipelinePlan, plan_pipeline_source, pp_cost_text, sub_mesh_text
+from spmdkit.planner.pipeline_split import PipelineSpec, auto_counts, parse_spec
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_cost, parse_size
 from spmdkit.strategies.strategy import parse_mesh
 
@@ -60,7 +53,7 @@ def wants_pipeline(req: PlanRequest) -> bool:
 def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     """``spmdkit plan`` with a ``pp`` mesh dim: a preset, a catalog model, ``--model-config``,
     ``--hf`` or ``--program``, each cut into stages by its layers
-    (:func:`spmdkit.planner.pipeline.plan_pipeline_source`)."""
+    (:func:`spmdkit.planner.pipeline_plan.plan_pipeline_source`)."""
     m = req.model
     check_one_model(m)
     full = parse_mesh(req.mesh_text)

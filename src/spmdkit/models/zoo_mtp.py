@@ -39,7 +39,7 @@ runs each ``mtp[k]`` group again in the backward (:func:`spmdkit.cost.memory_sav
 groups the labels with a number), as Megatron-Core's ``MultiTokenPredictionLayer.forward``
 checkpoints ``_proj_and_transformer_layer`` under ``recompute_granularity == 'full'``. Every op
 follows the model's head, so the pipeline puts the modules on the last stage
-(:func:`spmdkit.planner.pipeline.op_units`), where Megatron-Core places the MTP block
+(:func:`spmdkit.planner.pipeline_split.op_units`), where Megatron-Core places the MTP block
 (``mtp_on_this_rank``: the last stage without a ``--pipeline-model-parallel-layout``; that stage
 builds the embedding too: ``if self.pre_process or self.mtp_process``). The embedding is then
 read on the first and the last stage, so each holds a copy whose gradients are all-reduced

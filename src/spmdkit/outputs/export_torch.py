@@ -71,7 +71,7 @@ from spmdkit.outputs.export_torch_pp import (
     pipeline_lines,
     stage_collectives,
 )
-from spmdkit.planner.pipeline import PipelineSpec
+from spmdkit.planner.pipeline_split import PipelineSpec
 from spmdkit.program.ir import Op
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan

@@ -11,7 +11,7 @@ from collections import Counter
 from typing import Any
 
 from spmdkit.outputs.export import ExportError
-from spmdkit.planner.pipeline import PipelineSpec, op_stages
+from spmdkit.planner.pipeline_split import PipelineSpec, op_stages
 from spmdkit.planner.stage_costs import shared_parameters
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
@@ -38,7 +38,7 @@ def pipeline_doc(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...],
                  styled: frozenset[str] = frozenset()) -> dict[str, Any]:
     """``PIPELINE`` of a pipeline plan (``plan``: one microbatch's on the sub-mesh without pp):
     the module prefixes of each stage (its blocks; the embedding with the first, the final norm
-    and the head with the last, as the plan cuts them: :func:`spmdkit.planner.pipeline.op_stages`),
+    and the head with the last, as the plan cuts them: :func:`spmdkit.planner.pipeline_split.op_stages`),
     the schedule (torch's name), the microbatches, the layers container and the modules outside it
     (``ends``: the stages that do not hold one get an ``nn.Identity``); ``tied`` (:func:`tied_copies`)
     and, for GPT-2, ``body`` (its GPT2Model, whose stage forward the file writes out: a later stage

@@ -55,7 +55,7 @@ from spmdkit.cost.memory_saved import saved_activations
 from spmdkit.cost.step import estimate_step
 from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.outputs.report import fmt_bytes, fmt_time, placements, reshard_groups
-from spmdkit.planner.pipeline import op_stages, stage_layers
+from spmdkit.planner.pipeline_split import op_stages, stage_layers
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import Layers, program_layers
 from spmdkit.program.plan import Plan
@@ -629,7 +629,7 @@ def pipeline_rank_curve(plan: Plan, pipe: Any, recompute: str) -> tuple[int, lis
     microbatches it holds in flight, so that the curve's peak is its
     :attr:`spmdkit.cost.memory.Memory.activation_peak`. ``recompute``: the pipeline's mode
     (``full:K`` / ``every:N``: full's regions of the layers it recomputes on each stage,
-    :func:`spmdkit.planner.pipeline.stage_layers`, as the pipeline's memory counts them)."""
+    :func:`spmdkit.planner.pipeline_split.stage_layers`, as the pipeline's memory counts them)."""
     p, v = pipe.spec.pp, pipe.spec.virtual
     r = max(range(p), key=lambda k: pipe.memory[k].device_total)
     stages = op_stages(plan.program, pipe.counts)

@@ -38,7 +38,7 @@ from typing import Any
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.memory import recompute_every, recompute_layers
 from spmdkit.io.atomic import output_problem, write_atomic
-from spmdkit.planner.search import Candidate
+from spmdkit.planner.search_config import Candidate
 from spmdkit.strategies.strategy import zero_stage
 
 KINDS = ("torchtitan", "megatron", "json")

@@ -38,12 +38,10 @@ from spmdkit.planner.pipeline import (
     StageCost,
     balanced_split,
     exchanger,
-    op_stages,
-    op_units,
     reduce_gradients,
     run_schedule,
-    stage_layers,
 )
+from spmdkit.planner.pipeline_split import op_stages, op_units, stage_layers
 from spmdkit.planner.stage_costs import Grad, single_bucket_ranks
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan

@@ -28,7 +28,8 @@ from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import MICROBATCH, per_microbatch_mode, recompute_every
 from spmdkit.cost.step import op_communication
 from spmdkit.planner.partition import UnitCosts
-from spmdkit.planner.pipeline import PipelineEstimate, PipelineSpec, estimate_pipeline, op_stages, stage_layers
+from spmdkit.planner.pipeline import PipelineEstimate, estimate_pipeline
+from spmdkit.planner.pipeline_split import PipelineSpec, op_stages, stage_layers
 from spmdkit.planner.stage_costs import stage_costs
 from spmdkit.program.plan import Plan
 
@@ -73,7 +74,7 @@ def stretch_units(u: UnitCosts, layers: int, dense: int = 0) -> UnitCosts:
     """A shallow copy's per-unit costs (:func:`spmdkit.planner.pipeline.plan_unit_costs`: the
     embedding, its layers, the head) as the full model's ``layers``: the embedding, the first
     ``dense + 1`` layers and the last as they are, the layer after them repeated in between (as
-    :func:`spmdkit.planner.fold.full_layer_costs`), for the search's split of the full model (``search._split``)."""
+    :func:`spmdkit.planner.fold.full_layer_costs`), for the search's split of the full model (``search_config._split``)."""
     k = dense + 2  # the unit of the repeated layer
     if u.layers < dense + 3:
         raise ValueError("stretch_units: the copy has too few layers to repeat one")

@@ -1,14 +1,16 @@
 """Pipeline parallelism over a ``pp`` mesh dim: stages, schedules, bubble, send/recv, memory.
 
-A mesh with a ``pp`` dim (``--mesh pp=4,dp=8,tp=8``) splits the decoder layers into ``p``
-stages (``p * v`` virtual stages with ``--virtual-stages v``): evenly by default, balanced by
-cost where they do not divide (:func:`auto_counts`: Llama 3.1 405B's 126 layers on 16 stages
-7, 8 x 14, 7), or as ``--stages 20,20,20,20``. The embedding goes with the first stage, the
-final norm, LM head and loss with the last; a parameter's optimizer update with the stage of
-the parameter. The first and the last (virtual) stage may hold no layer (``--stages 0,20,20,0``:
-Megatron-Core's embedding-only first and loss-only last stage; a middle stage may not). Every model source is cut the same way (:func:`plan_pipeline_source`): its
-layers are the op labels that end in a number (a preset's ``layer 3``, an imported model's
-``model.layers.3``, a program file's own), :func:`op_units`.
+A mesh with a ``pp`` dim (``--mesh pp=4,dp=8,tp=8``) splits the decoder layers into ``p`` stages
+(``p * v`` virtual stages with ``--virtual-stages v``): evenly by default, balanced by cost
+where they do not divide (:func:`spmdkit.planner.pipeline_split.auto_counts`: Llama 3.1 405B's
+126 layers on 16 stages 7, 8 x 14, 7), or as ``--stages 20,20,20,20``. The embedding goes with
+the first stage, the final norm, LM head and loss with the last; a parameter's optimizer update
+with the stage of the parameter. The first and the last (virtual) stage may hold no layer
+(``--stages 0,20,20,0``: Megatron-Core's embedding-only first and loss-only last stage; a middle
+stage may not). Every model source is cut the same way
+(:func:`spmdkit.planner.pipeline_plan.plan_pipeline_source`): its layers are the op labels that
+end in a number (a preset's ``layer 3``, an imported model's ``model.layers.3``, a program
+file's own), :func:`spmdkit.planner.pipeline_split.op_units`.
 
 Planning. No tensor is ever sharded over ``pp`` (a stage holds its layers whole, and the
 other stages hold none of them), so the sharding inside a stage is independent of the pp
@@ -47,18 +49,15 @@ device ``p + (p - 1)/v`` stage-microbatches (Narayanan et al. 2021; Korthikanti 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import Step
 from spmdkit.cost.band import error_band
-from spmdkit.cost.checkpoints import every_blocks
 from spmdkit.cost.collectives import Fabric, Group, collective_time
-from spmdkit.cost.compute import guess_tokens, model_flops, op_cost
+from spmdkit.cost.compute import model_flops, op_cost
 from spmdkit.cost.context import cp_ops
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import (
@@ -73,23 +72,25 @@ from spmdkit.cost.memory import (
 )
 from spmdkit.cost.moe import a2a_compute_share
 from spmdkit.cost.step import OpComm, op_communication
-from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load, load_preset
-from spmdkit.models.zoo import Model, preset
-from spmdkit.planner.auto import AutoInfo
-from spmdkit.planner.auto.stage import StageSearch, auto_stage
 from spmdkit.planner.chunk_plan import ChunkOps
 from spmdkit.planner.ep_overlap import check_ep_comm_overlap
 from spmdkit.planner.partition import UnitCosts, balanced_split, even_split, partition, simulate_split, stage_loads
 from spmdkit.planner.pipeline_memory import TORCH_SCHEDULES, ChunkBytes, torch_order, torch_rank_memory
 from spmdkit.planner.pipeline_moe import MoeMemory, moe_memory
-from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_preset, plan_program
+from spmdkit.planner.pipeline_split import (
+    PipelineSpec,
+    auto_counts,
+    op_stages,
+    op_units,
+    split_layers,
+    split_note,
+    stage_layers,
+)
 from spmdkit.planner.schedules import (
-    SCHEDULE_ALIASES,
     SCHEDULES,
     ScheduleInputs,
     ScheduleRun,
     bubble_formula,
-    check_microbatch_group,
     in_flight,
     run_schedule,
     schedule_order,
@@ -103,209 +104,7 @@ from spmdkit.planner.stage_costs import (
     stage_costs,
     tp_ranks,
 )
-from spmdkit.program.ir import Program
-from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.context import auto_config as auto_cp_config
-from spmdkit.strategies.context import hf_cp, hf_pipeline_refusal
-from spmdkit.strategies.experts import tp_chunks
-from spmdkit.strategies.strategy import parse_mesh, parse_strategy, strategy_items
-
-MAX_MICROBATCHES = 1 << 16
-#: The most (virtual stage, microbatch) pairs a schedule simulates (about a second of Python).
-MAX_UNITS = 1 << 19
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    pp: int
-    microbatches: int
-    schedule: str
-    virtual: int
-    stages: tuple[int, ...] | None = None  # layers per virtual stage, when given
-    #: ``--stages auto``: the split :func:`spmdkit.planner.partition.partition` finds
-    auto: bool = False
-    #: ``--microbatch-group``: the interleaved schedule's microbatches a model chunk runs in a row
-    #: (Megatron-Core's ``microbatch_group_size_per_vp_stage``); None: ``pp``, its default
-    group: int | None = None
-
-
-def _int(flag: str, text: Any, hi: int) -> int | None:
-    return parse_size(flag, text, hi)
-
-
-def parse_spec(pp: int, microbatches: Any = None, schedule: Any = None, virtual: Any = None,
-               stages: Any = None, group: Any = None) -> PipelineSpec:
-    m = _int("--microbatches", microbatches, MAX_MICROBATCHES) or 1
-    sched = str(schedule).strip() if schedule is not None else None
-    if sched is not None:
-        sched = SCHEDULE_ALIASES.get(sched, sched.lower())
-        if sched not in SCHEDULES:
-            raise ProgramError(f"--schedule {sched[:40]!r}: unknown schedule (one of {', '.join(SCHEDULES)})")
-    v = _int("--virtual-stages", virtual, 1024)
-    if sched is None:
-        sched = "interleaved" if v and v > 1 else "1f1b"
-    if sched != "interleaved" and v not in (None, 1):
-        raise ProgramError(f"--virtual-stages {v}: model chunks apply to --schedule interleaved, not {sched}")
-    n = _int("--microbatch-group", group, MAX_MICROBATCHES)
-    if n is not None and sched != "interleaved":
-        raise ProgramError(f"--microbatch-group {n}: groups the microbatches of the interleaved schedule's model "
-                           f"chunks; --schedule {sched} has none (give --schedule interleaved)")
-    if sched == "interleaved":
-        v = v or 2
-        if n is not None:
-            check_microbatch_group(pp, m, n)
-        elif m % pp:
-            raise ProgramError(f"--schedule interleaved: --microbatches {m} is not a multiple of pp={pp} "
-                               f"(Megatron-LM's interleaved schedule needs it)")
-    if pp * (v or 1) * m > MAX_UNITS:
-        raise ProgramError(f"--microbatches {m}: {m} microbatches x {pp * (v or 1)} stages is more than "
-                           f"{MAX_UNITS:,} forward units to simulate")
-    counts = None
-    n = None if n == pp else n  # Megatron-Core's default, the depth-first order
-    if stages is not None and str(stages).strip().lower() == "auto":
-        return PipelineSpec(pp, m, sched, v or 1, None, True, n)
-    if stages is not None:
-        parts = [s.strip() for s in str(stages).split(",") if s.strip()]
-        if not parts or not all(s.isascii() and s.isdigit() and len(s) <= 6 for s in parts):
-            raise ProgramError(f"--stages {str(stages)[:60]!r}: expected layers per stage as integers, e.g. "
-                               f"20,20,20,20, or auto")
-        counts = tuple(int(s) for s in parts)
-    return PipelineSpec(pp, m, sched, v or 1, counts, group=n)
-
-
-def split_layers(n_layers: int, spec: PipelineSpec, balance: Callable[[int], tuple[int, ...]] | None = None
-                 ) -> tuple[int, ...]:
-    """Layers per virtual stage (``pp * virtual`` of them): ``--stages`` as given, else evenly;
-    layers that do not divide evenly are split by ``balance(n)`` (:func:`balanced_split` over
-    the planned costs, :func:`auto_counts`), or refused without one."""
-    n = spec.pp * spec.virtual
-    what = f"pp={spec.pp}" + (f" x {spec.virtual} virtual stages" if spec.virtual > 1 else "")
-    if spec.stages is not None:
-        return _given_stages(spec.stages, n_layers, n, what)
-    if n_layers < n:
-        raise ProgramError(f"--mesh {what}: {n_layers} layers cannot fill {n} stages (each needs at least one layer)")
-    if n_layers % n:
-        if balance is not None:
-            return balance(n)
-        raise ProgramError(f"--mesh {what}: {n_layers} layers do not divide evenly into {n} stages "
-                           f"(give --stages, e.g. {','.join(map(str, even_split(n_layers, n)))})")
-    return (n_layers // n,) * n
-
-
-def _given_stages(counts: tuple[int, ...], n_layers: int, n: int, what: str) -> tuple[int, ...]:
-    """``--stages`` checked: ``n`` counts summing to the model's layers, each at least one but
-    the first and the last virtual stage's, which may be 0 (Megatron-Core's embedding-only
-    first stage and loss-only last stage: ``--pipeline-model-parallel-layout "E|t*3|...|L"``,
-    ``--account-for-embedding-in-pipeline-split``); a stage with nothing in the middle is not
-    what Megatron-Core builds."""
-    text = ",".join(map(str, counts))
-    if len(counts) != n:
-        raise ProgramError(f"--stages: {len(counts)} stage sizes given, {what} has {n} stages")
-    if not any(counts):
-        raise ProgramError(f"--stages {text}: no stage holds a decoder layer (only the first and the last stage "
-                           f"may be 0)")
-    if sum(counts) != n_layers:
-        raise ProgramError(f"--stages {text}: must be {n} counts summing to the model's {n_layers} layers "
-                           f"(they sum to {sum(counts)})")
-    for k, c in enumerate(counts):
-        if c == 0 and 0 < k < n - 1:
-            raise ProgramError(f"--stages {text}: stage {k} (of 0..{n - 1}) holds no layer; only the first stage "
-                               f"(the embedding alone) and the last (the final norm, the head and the loss alone) "
-                               f"may be 0, a middle stage needs at least one decoder layer")
-    return counts
-
-
-def op_units(prog: Program, ends: bool = False) -> tuple[list[int], int]:
-    """(each op's layer, the count of layers): the index in :func:`layer_tags` of its label; -1
-    for the embedding (``embedding``, and an unnumbered op before the first layer's); the count
-    for the head (``head``); an optimizer update its parameter's; any other op the unit of the
-    op before it (the final norm, the head and the loss follow the last layer; in the backward,
-    the embedding's gradient follows the first layer's). ``ends`` (a split whose first or last
-    stage holds no layer: :func:`op_stages`): an unnumbered op after the last layer's forward
-    or before the first of the layers' backward ops is the head's (the count), one after the
-    last of the layers' backward ops the embedding's (-1), as an imported model's
-    ``model.norm`` and ``lm_head`` and its embedding's gradient. Found once per program (the
-    caller's list is its own copy)."""
-    unit, n = prog.derived("pipeline.op_units_ends" if ends else "pipeline.op_units",
-                           lambda pr: _op_units(pr, ends))
-    return list(unit), n
-
-
-def _op_units(prog: Program, ends: bool = False) -> tuple[list[int], int]:
-    index = {t: k for k, t in enumerate(layer_tags(prog))}
-    n = len(index)
-    numbered = {ph: [i for i, op in enumerate(prog.ops) if op.phase == ph and op.layer in index]
-                for ph in ("forward", "backward")} if ends else {}
-    out: list[int] = []
-    param_unit: dict[str, int] = {}
-    prev = -1
-    for i, op in enumerate(prog.ops):
-        tag = op.layer
-        u = index.get(tag)
-        if u is None:
-            if tag == "embedding":
-                u = -1
-            elif tag == "head":
-                u = n
-            elif op.phase == "optimizer":
-                u = next((param_unit[x] for x in op.input_names() if x in param_unit), prev)
-            elif numbered.get(op.phase):
-                got = numbered[op.phase]
-                u = (n if i > got[-1] else prev) if op.phase == "forward" else (
-                    n if i < got[0] else -1 if i > got[-1] else prev)
-            else:
-                u = prev
-        if op.phase == "forward":
-            for x in op.input_names():
-                if prog.tensors[x].kind == "parameter":
-                    param_unit.setdefault(x, u)
-        out.append(u)
-        prev = u
-    return out, n
-
-
-def op_stages(prog: Program, counts: tuple[int, ...]) -> list[int]:
-    """The virtual stage of every op of ``prog`` split ``counts`` layers a stage, from the ops'
-    units it reads itself (:func:`op_units`, found once per program: the embedding with the first
-    stage, the head and the loss with the last, an optimizer update with its parameter's stage);
-    where the first or last stage holds no layer (a count of 0) from ``op_units(ends=True)``, so
-    that stage holds the embedding or the head alone."""
-    unit, n_layers = op_units(prog, ends=bool(counts) and (counts[0] == 0 or counts[-1] == 0))
-    last = len(counts) - 1
-    of_layer: list[int] = []
-    for s, c in enumerate(counts):
-        of_layer.extend([s] * c)
-    of_layer.extend([last] * max(0, n_layers - len(of_layer)))
-    return [0 if u < 0 else (of_layer[u] if u < n_layers else last) for u in unit]
-
-
-def auto_counts(plan: Plan, n: int, op_times: list[float] | None = None,
-                units: tuple[list[int], int] | None = None) -> tuple[int, ...]:
-    """Layers per stage for ``n`` stages, balanced by cost (:func:`balanced_split`): each
-    layer's, the embedding's and the head's forward and backward time (``op_times``, one per
-    op: :func:`spmdkit.cost.step.op_communication`'s compute and wait) or, without times, their
-    FLOPs (:func:`spmdkit.cost.compute.op_cost`)."""
-    unit, n_layers = units if units is not None else op_units(plan.program)
-    costs = [0.0] * (n_layers + 2)  # the embedding, the layers, the head
-    for i, op in enumerate(plan.program.ops):
-        if op.phase == "optimizer":
-            continue
-        costs[unit[i] + 1] += op_times[i] if op_times is not None else op_cost(plan, i).flops
-    return balanced_split(costs[1:-1], n, costs[0], costs[-1])
-
-
-def split_note(counts: tuple[int, ...], n_layers: int, spec: PipelineSpec, timed: bool = True) -> str | None:
-    """The one-line note of a split chosen for layers that do not divide into the stages
-    (None when they do, or ``--stages`` gave it); ``timed``: balanced by predicted time, else
-    by FLOPs."""
-    n = len(counts)
-    if spec.stages is not None or n_layers % n == 0:
-        return None
-    return (f"note: {n_layers} layers do not divide evenly into {n} stages: split {','.join(map(str, counts))} "
-            f"(balanced by {'predicted time' if timed else 'FLOPs'}: the first stage also holds the embedding, the "
-            f"last the head and the loss; --stages overrides)")
-
 
 # -- the whole pipeline ---------------------------------------------------------------------------
 
@@ -419,7 +218,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     App. C): each rank keeps every activation of as many of its in-flight microbatches as fit
     in ``device``'s memory and recomputes the attention core of the others, its backward
     paying the selective recomputation for that share of its microbatches. ``counts`` None:
-    the layers split by :func:`auto_counts` (by time on ``device``, else by FLOPs), the split
+    the layers split by :func:`spmdkit.planner.pipeline_split.auto_counts` (by time on ``device``, else by FLOPs), the split
     named in the estimate's ``note``; ``spec.auto`` (``--stages auto``): :func:`stages_auto`.
     ``oc``: the ops' times on ``device`` when already computed. ``costs`` (with ``counts``): the
     virtual stages' costs already made (:mod:`spmdkit.planner.fold_stages`: a deep pipeline's
@@ -510,50 +309,6 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     est.device_memory = device.memory_bytes
     est.extra["slowest_gpu"] = device.slowest_json()
     return est
-
-
-def block_layers(prog: Program, counts: tuple[int, ...], k: int) -> frozenset[str]:
-    """The layer labels ``full:K`` recomputes: the first ``k`` layers of each (virtual) stage, as
-    Megatron-LM's ``--recompute-method block --recompute-num-layers K`` in each model chunk."""
-    tags = layer_tags(prog)
-    out: list[str] = []
-    a = 0
-    for c in counts:
-        out += tags[a:a + min(k, c)]
-        a += c
-    return frozenset(out)
-
-
-def every_layers(prog: Program, counts: tuple[int, ...], n: int, p: int) -> frozenset[str]:
-    """The layer labels ``every:N`` recomputes: on each of the ``p`` pipeline ranks, every N-th
-    block of its virtual stages ``r, r + p, ...`` counted on from one stage to the next, as
-    torchtitan builds a rank's model chunks (``stage_ids_this_rank(style="loop")``) and counts
-    the blocks it wraps in one counter a process (:func:`spmdkit.cost.checkpoints.every_blocks`).
-    A ProgramError naming ``--recompute`` where no rank holds N blocks (none is checkpointed)."""
-    tags = layer_tags(prog)
-    start = [sum(counts[:k]) for k in range(len(counts))]
-    out: list[str] = []
-    for r in range(p):
-        mine = list(range(r, len(counts), p))
-        for k, picked in zip(mine, every_blocks([counts[k] for k in mine], n)):
-            out += [tags[start[k] + i] for i in picked]
-    if not out:
-        most = max(sum(counts[r::p]) for r in range(p))
-        raise ProgramError(f"--recompute every:{n}: torchtitan counts the blocks of each pipeline rank and "
-                           f"checkpoints its blocks {n}, {2 * n}, ...; no rank holds {n} (the most: {most}), so none "
-                           f"would be (give N from 1 to {most}, or none)")
-    return frozenset(out)
-
-
-def stage_layers(prog: Program, counts: tuple[int, ...], mode: str, p: int) -> frozenset[str] | None:
-    """The layer labels whose regions ``mode`` recomputes on a pipeline of ``p`` ranks split
-    ``counts`` layers a virtual stage (``full:K``: :func:`block_layers`; ``every:N``:
-    :func:`every_layers`), None for a mode that recomputes in every layer."""
-    k = recompute_layers(mode)
-    if k is not None:
-        return block_layers(prog, counts, k)
-    n = recompute_every(mode)
-    return every_layers(prog, counts, n, p) if n is not None else None
 
 
 def plan_unit_costs(plan: Plan, p: int, device: Device | None = None, recompute: str = "none",
@@ -824,158 +579,6 @@ def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: Sch
     return max(serial), max(overlap)
 
 
-# -- planning ----------------------------------------------------------
-
-
-def sub_mesh_text(mesh: ProcessMesh) -> tuple[int, str]:
-    """(pp size, the mesh text without pp)."""
-    names, sizes = list(mesh.dim_names), list(mesh.shape)
-    pp = 1
-    if "pp" in names:
-        k = names.index("pp")
-        pp = sizes[k]
-        del names[k], sizes[k]
-    if not names:
-        names, sizes = ["dp"], [1]
-    return pp, ",".join(f"{a}={b}" for a, b in zip(names, sizes))
-
-
-@dataclass
-class PipelinePlan:
-    """A model planned for a pipeline: the plan of ONE microbatch's step on the sub-mesh
-    without pp, the pipeline's spec, its layers and their split (None: layers that do not
-    divide into the stages, balanced by :func:`estimate_pipeline` over the plan's costs)."""
-
-    loaded: Loaded
-    plan: Plan
-    spec: PipelineSpec
-    layers: int
-    counts: tuple[int, ...] | None
-    seconds: float
-    #: tokens per step (every microbatch), None where the program has no token input
-    tokens: int | None
-    #: sequences per microbatch and per step
-    microbatch: int | None = None
-    batch: int | None = None
-    #: the exact search's report where the stages' shardings are searched (``--auto``)
-    auto: AutoInfo | None = None
-
-
-def _no_layers(prog: Program, pp: int) -> ProgramError:
-    labels = sorted({op.layer for op in prog.ops if op.phase == "forward"})
-    return ProgramError(f"--mesh pp={pp}: the program has no numbered layers to cut into stages (a pipeline cuts "
-                        f"between the groups of ops whose layer label ends in a number, e.g. 'layer 3' or "
-                        f"'model.layers.3'; its labels: {', '.join(repr(x) for x in labels[:6]) or 'none'})")
-
-
-def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str | None, spec_args: dict[str, Any],
-                         user: dict[str, Any] | None = None, cost_text: str | None = None,
-                         patterns: Any = None, auto: StageSearch | None = None) -> PipelinePlan:
-    """A pipeline of ``source`` on ``mesh_text`` (its ``pp`` dim): a preset (its sizes
-    overridden as ``source`` says; without a batch each microbatch is the preset's batch), an
-    HF model (``source.batch`` the whole step's, cut into the microbatches) or a program file
-    (the step of one microbatch as it is). Each is cut into stages by its ops' layer labels
-    (:func:`op_stages`), the same way. ``auto``: the stages' shardings chosen by the exact search
-    on the sub-mesh (:func:`spmdkit.planner.auto.stage.auto_stage`, as the ``--devices`` search's
-    ``auto`` configurations), ``strategy_text`` then only cp's options (``--cp-attention`` ...)."""
-    t0 = time.perf_counter()
-    mesh = parse_mesh(mesh_text)
-    pp, sub = sub_mesh_text(mesh)
-    spec = parse_spec(pp, **spec_args)
-    m = spec.microbatches
-    cost = pp_cost_text(cost_text, mesh)
-    strategy = strategy_text or ("megatron" if not isinstance(source, ProgramFile) and auto is None else None)
-    sm = parse_mesh(sub)
-    info = None
-    if isinstance(source, Preset):
-        cfg = preset(source.name)
-        layers = parse_size("--layers", source.layers, MAX_LAYERS) or cfg.layers
-        given = parse_size("--batch", source.batch, MAX_SIZE)
-        batch = given or cfg.batch * m  # without --batch, each microbatch is the preset's batch
-        split_layers(layers, spec, balance=lambda n: (1,) * n)  # a bad --stages refused before planning
-        _check_batch(batch, m)
-        over = {"layers": layers, "batch": batch // m, "seq": source.seq}
-        if auto is not None:  # built as the --devices search builds an auto stage (planner/search.py):
-            # on a cp sub-mesh with cp_attention, the loss vocab-parallel (the search splits it or not)
-            built = auto_cp_config(cfg.with_(**{k: v for k, v in over.items() if v is not None}), sm,
-                                   strategy_items(strategy_text), None)
-            assert built is not None
-            loaded = load_preset(replace(source, layers=layers, batch=built.batch), built, vocab_parallel_loss=True)
-            plan, info = auto_stage(loaded.program, sm, user, auto, cost)
-        else:
-            loaded, plan, _ = plan_preset(source.name, sub, strategy or "megatron", over, user, cost)
-        assert loaded.model is not None
-        c = loaded.model.config
-        tokens: int | None = c.batch * c.seq * m
-        mb: int | None = c.batch
-    else:
-        if isinstance(source, HFModel):
-            _check_batch(source.batch, m)
-            # a bad mesh / strategy before importing; --auto splits the sequence on any cp dim of 2 ranks or more
-            st = ["cp"] if auto is not None else parse_strategy(strategy or "megatron", sm)
-            if hf_cp(sm, st, source.seq) is not None:
-                raise ProgramError(hf_pipeline_refusal(mesh_text))
-            # megatron,sp,ep,etp=1: each sequence routed one chunk a tp rank (Megatron's token path)
-            source = replace(source, batch=source.batch // m, tp_chunks=tp_chunks(sm, st))
-        if auto is not None:  # the refusals of a strategy or a cp mesh as the flat --auto gives them
-            auto_cp_config(None, sm, strategy_items(strategy_text), "--hf" if isinstance(source, HFModel) else "--program")
-        loaded = load(source)
-        layers = len(layer_tags(loaded.program))
-        if layers == 0:
-            raise _no_layers(loaded.program, pp)
-        split_layers(layers, spec, balance=lambda n: (1,) * n)
-        if auto is not None:
-            plan, info = auto_stage(loaded.program, sm, user, auto, cost)
-        else:
-            _prog, plan = plan_program(loaded.program, sub, strategy, user, patterns, cost)
-        one = guess_tokens(plan.program)
-        tokens = one * m if one else None
-        mb = _batch_of(plan.program)
-    even = layers % (spec.pp * spec.virtual) == 0
-    counts = split_layers(layers, spec) if (even or spec.stages) and not spec.auto else None
-    return PipelinePlan(loaded, plan, spec, layers, counts, time.perf_counter() - t0, tokens, mb,
-                        mb * m if mb else None, info)
-
-
-def _check_batch(batch: int, m: int) -> None:
-    if batch % m:
-        raise ProgramError(f"--microbatches {m}: does not divide the batch {batch} "
-                           f"(each microbatch is batch / microbatches sequences)")
-
-
-def _batch_of(prog: Program) -> int | None:
-    """Sequences per step of a program: the leading size of its token input."""
-    for t in prog.tensors.values():
-        if t.kind == "input" and (t.name in ("tokens", "input_ids") or (t.dtype in ("int64", "int32")
-                                                                        and len(t.shape) == 2)):
-            return t.shape[0]
-    return None
-
-
-def plan_pipeline(model_name: str, mesh_text: str, strategy_text: str, spec_args: dict[str, Any],
-                  overrides: dict[str, Any] | None = None, user: dict[str, Any] | None = None,
-                  cost_text: str | None = None) -> tuple[Model, Plan, PipelineSpec, tuple[int, ...], float]:
-    """(model, plan of one microbatch on the sub-mesh, spec, layers per virtual stage, seconds)
-    of the preset ``model_name`` (:func:`plan_pipeline_source`; layers that do not divide into
-    the stages balanced by FLOPs)."""
-    ov = dict(overrides or {})
-    got = plan_pipeline_source(Preset(model_name, ov.get("layers"), ov.get("batch"), ov.get("seq")), mesh_text,
-                               strategy_text, spec_args, user, cost_text)
-    assert got.loaded.model is not None
-    counts = got.counts or auto_counts(got.plan, got.spec.pp * got.spec.virtual)
-    return got.loaded.model, got.plan, got.spec, counts, got.seconds
-
-
-def pp_cost_text(cost_text: str | None, mesh: ProcessMesh | None) -> str | None:
-    """``--cost`` without its ``pp=`` entry (that one times the sends: the ``pp_link`` of
-    :func:`estimate_pipeline`)."""
-    if not cost_text:
-        return cost_text
-    parts = [s for s in cost_text.split(",") if not s.strip().startswith("pp=") and s.strip()]
-    return ",".join(parts) or None
-
-
-__all__ = ["block_layers", "every_layers", "stage_layers", "plan_unit_costs", "stages_auto", "SCHEDULES", "PipelineEstimate", "PipelinePlan", "PipelineSpec", "ScheduleRun", "StageCost", "auto_counts",
-           "balanced_split", "bubble_formula", "estimate_pipeline", "even_split", "in_flight", "op_stages",
-           "op_units", "parse_spec", "plan_pipeline", "plan_pipeline_source", "pp_cost_text", "reduce_gradients",
-           "run_schedule", "schedule_order", "split_layers", "split_note", "stage_costs", "sub_mesh_text"]
+__all__ = ["plan_unit_costs", "stages_auto", "SCHEDULES", "PipelineEstimate", "ScheduleRun", "StageCost",
+           "balanced_split", "bubble_formula", "estimate_pipeline", "even_split", "in_flight", "reduce_gradients",
+           "run_schedule", "schedule_order", "stage_costs"]

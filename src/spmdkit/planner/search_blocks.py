@@ -2,7 +2,7 @@
 
 Megatron-LM's ``--recompute-granularity full --recompute-method block --recompute-num-layers K``
 recomputes the first K layers of each pipeline stage (of each model chunk) in full and keeps every
-activation of the others (:func:`spmdkit.planner.pipeline.block_layers`, ``--recompute full:K``
+activation of the others (:func:`spmdkit.planner.pipeline_split.block_layers`, ``--recompute full:K``
 for one plan). It matters where a pipeline does not fit without recomputation but does with full
 recomputation: every layer between is recomputed for nothing. Memory falls and the step grows
 with K, so the configuration's best ``full:K`` is the least K that fits, the choice Megatron users

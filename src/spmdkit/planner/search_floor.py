@@ -66,7 +66,7 @@ from spmdkit.cost.memory import activation_deltas, peak_of
 from spmdkit.cost.memory_saved import ActivationMemory, saved_activations
 from spmdkit.cost.step import least_shared_gather_times, op_communication
 from spmdkit.planner.fold import fold_of
-from spmdkit.planner.pipeline import op_units
+from spmdkit.planner.pipeline_split import op_units
 from spmdkit.planner.search_bounds import pipeline_fill
 from spmdkit.planner.search_floor_tail import SLACK, Tail, plan_tail
 from spmdkit.planner.search_space import Config
@@ -146,7 +146,7 @@ def _work(plan: Plan, device: Device) -> LayerFloor:
 
 def backward_by_unit(prog: Program, own: list[float], unit: list[int], n_layers: int) -> list[float]:
     """``own`` (seconds by op) of the backward's ops summed by pipeline unit (:func:`spmdkit.
-    planner.pipeline.op_units`: the embedding, the ``n_layers`` layers, the head), no
+    planner.pipeline_split.op_units`: the embedding, the ``n_layers`` layers, the head), no
     recomputation: what :attr:`LayerFloor.backward` is read from."""
     back = [0.0] * (n_layers + 2)
     for i, t in enumerate(own):
@@ -173,7 +173,7 @@ def layer_peak(plan: Plan, saved: ActivationMemory) -> int:
 
 @dataclass(frozen=True)
 class Units:
-    """One microbatch's work (s) on one device by pipeline unit (:func:`spmdkit.planner.pipeline.op_units`):
+    """One microbatch's work (s) on one device by pipeline unit (:func:`spmdkit.planner.pipeline_split.op_units`):
     the embedding's, the final norm's, head's and loss's, and the least of any layer's."""
 
     first: float

@@ -30,7 +30,7 @@ from spmdkit.core.errors import SpmdError
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory_saved import saved_activations
 from spmdkit.cost.step import least_shared_gather_times, op_communication
-from spmdkit.planner.pipeline import op_units
+from spmdkit.planner.pipeline_split import op_units
 from spmdkit.planner.search_bounds import GROW, Bounds
 from spmdkit.planner.search_floor import (
     NO_FLOOR,

@@ -37,7 +37,7 @@ strategy (ZeRO level included): one copy of ``dense + 2`` layers (:func:`spmdkit
 search_floor_layers.copy_layers`), planned when the configuration's turn comes in the search
 (like ZeRO-3's gathers), cached by (dp, tp, ep, cp, strategy): the figures are the
 parameters', which do not depend on the batch. Per unit
-(:func:`spmdkit.planner.pipeline.op_units`: the embedding, each layer, the head, as the
+(:func:`spmdkit.planner.pipeline_split.op_units`: the embedding, each layer, the head, as the
 pipeline's stages are cut) the optimizer ops' compute and the gradient bytes of each reduction
 (the ops' pending gradient reductions, attributed as ``stage_costs`` attributes them); a layer
 of the repeated kind counts the least of the copy's two such layers (per reduction), a dense
@@ -65,7 +65,7 @@ from spmdkit.core.reshard import Step
 from spmdkit.cost.buckets import Reducer
 from spmdkit.cost.devices import Device
 from spmdkit.cost.step import op_communication
-from spmdkit.planner.pipeline import op_units
+from spmdkit.planner.pipeline_split import op_units
 from spmdkit.planner.stage_costs import single_bucket_ranks
 from spmdkit.program.plan import Plan
 

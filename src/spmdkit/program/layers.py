@@ -1,7 +1,7 @@
 """The transformer layers of a program, found the one way for every model source: from its ops'
 ``layer`` labels that end in a number (a preset's ``layer 3``, an imported model's
 ``model.layers.3`` or ``transformer.h.3``, a program file's own). The pipeline cuts between
-them (:func:`spmdkit.planner.pipeline.op_units`); the report and the HTML page show the first
+them (:func:`spmdkit.planner.pipeline_split.op_units`); the report and the HTML page show the first
 layer in full and the others as repeats of it (:func:`program_layers`).
 
 A tensor's layer is its producer op's; a tensor no op makes (a parameter, a constant) is in the

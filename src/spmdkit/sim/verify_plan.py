@@ -20,10 +20,12 @@ from typing import Any
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.hf import load_config
 from spmdkit.models.zoo import PRESETS, ModelConfig, build_model, is_config_text, model_label, preset, tiny_like
-from spmdkit.planner.pipeline import PipelineSpec, even_split, op_stages, parse_spec, split_layers, sub_mesh_text
+from spmdkit.planner.pipeline import even_split
+from spmdkit.planner.pipeline_plan import sub_mesh_text
+from spmdkit.planner.pipeline_split import PipelineSpec, op_stages, parse_spec, split_layers
 from spmdkit.planner.planning import parse_cost, plan_hf, plan_model
 from spmdkit.planner.propagate import propagate
-from spmdkit.planner.search import Candidate
+from spmdkit.planner.search_config import Candidate
 from spmdkit.program.plan import Plan
 from spmdkit.sim.plan import SimReport, loss_name, simulate_plan, source_values
 from spmdkit.strategies.context import moe_chunks

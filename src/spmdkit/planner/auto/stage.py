@@ -5,7 +5,7 @@ Alpa's intra-operator pass run on a stage (Zheng et al., "Alpa", OSDI 2022, sect
 intra-op ILP on each stage's sub-mesh); the inter-operator stages are the layer split of
 :mod:`spmdkit.planner.pipeline`. Shared by the ``--devices`` search's ``auto`` configurations
 (:mod:`spmdkit.planner.search`) and ``spmdkit plan --auto`` on a mesh with a ``pp`` dim
-(:func:`spmdkit.planner.pipeline.plan_pipeline_source`).
+(:func:`spmdkit.planner.pipeline_plan.plan_pipeline_source`).
 """
 
 from __future__ import annotations
