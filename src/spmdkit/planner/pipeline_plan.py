@@ -8,6 +8,8 @@ preset, an HF model, a program file), its layers and their split into stages
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,7 +107,8 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
             loaded = load_preset(replace(source, layers=layers, batch=built.batch), built, vocab_parallel_loss=True)
             plan, info = auto_stage(loaded.program, sm, user, auto, cost)
         else:
-            loaded, plan, _ = plan_preset(source.name, sub, strategy or "megatron", over, user, cost)
+            with _microbatch_named(batch, m):
+                loaded, plan, _ = plan_preset(source.name, sub, strategy or "megatron", over, user, cost)
         assert loaded.model is not None
         c = loaded.model.config
         tokens: int | None = c.batch * c.seq * m
@@ -137,6 +140,18 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
     counts = split_layers(layers, spec) if (even or spec.stages) and not spec.auto else None
     return PipelinePlan(loaded, plan, spec, layers, counts, time.perf_counter() - t0, tokens, mb,
                         mb * m if mb else None, info)
+
+
+@contextmanager
+def _microbatch_named(batch: int, m: int) -> Iterator[None]:
+    """A refusal of the microbatch's ``--batch batch / m`` (the preset is built at one microbatch)
+    says it is the microbatch of the ``--batch`` the user gave, over ``--microbatches``."""
+    try:
+        yield
+    except ProgramError as e:
+        if m > 1 and str(e).startswith(f"--batch {batch // m}:"):
+            raise ProgramError(f"{e} (a microbatch: --batch {batch} over --microbatches {m})") from None
+        raise
 
 
 def _check_batch(batch: int, m: int) -> None:
