@@ -179,16 +179,24 @@ def active_share(prog: Program) -> dict[str, float]:
 # -- load imbalance ---------------------------------------------------------------------------------
 
 
-def ep_degree(plan: Plan, layer: MoeLayer) -> int:
-    """The ranks the layer's experts are spread over: the mesh dims its stacks' expert axis is
-    sharded on (1 without expert parallelism)."""
-    best = 1
+def expert_dims(plan: Plan, layer: MoeLayer) -> tuple[int, ...]:
+    """The mesh dims the layer's experts are spread over: those its stacks' expert axis is sharded
+    on, the widest of its stacks' (the first of equals; () without expert parallelism)."""
+    best: tuple[int, ...] = ()
     for s in layer.stacks:
         a = plan.attrs.get(s)
         if a is None or not a.dims_mapping or plan.program.tensors[s].shape[0] != layer.experts:
             continue
-        best = max(best, math.prod(plan.mesh.shape[d] for d in entry_dims(a.dims_mapping[0])))
+        dims = tuple(entry_dims(a.dims_mapping[0]))
+        if math.prod(plan.mesh.shape[d] for d in dims) > math.prod(plan.mesh.shape[d] for d in best):
+            best = dims
     return best
+
+
+def ep_degree(plan: Plan, layer: MoeLayer) -> int:
+    """The ranks the layer's experts are spread over (:func:`expert_dims`; 1 without expert
+    parallelism)."""
+    return math.prod(plan.mesh.shape[d] for d in expert_dims(plan, layer))
 
 
 def busiest_experts(rt: Runtime, experts: int, top_k: int, ep: int) -> tuple[tuple[float, int], ...] | None:
@@ -587,13 +595,8 @@ def nccl_a2a_ctas(plan: Plan, p2p_channels: tuple[int, int]) -> int:
     if not isinstance(plan.cost, NcclCostModel):
         return 0
     for layer in moe_layers(plan.program):
-        for s in layer.stacks:
-            a = plan.attrs.get(s)
-            if a is None or not a.dims_mapping or plan.program.tensors[s].shape[0] != layer.experts:
-                continue
-            dims = entry_dims(a.dims_mapping[0])
-            if not dims:
-                continue
+        dims = expert_dims(plan, layer)
+        if dims:
             g = plan.cost.group(dims)
             return a2a_ctas(g.ranks, g.per_node, p2p_channels[0] if g.nodes <= 1 else p2p_channels[1])
     return 0
@@ -626,6 +629,6 @@ def expert_all_to_all(plan: Plan, tensor: str, s: Step) -> float:
     return deduplicated_all_to_all(net, nvl, g, plan.cost.fabric)
 
 
-__all__ = ["ExpertRows", "MoeLayer", "active_share", "busiest_experts", "busiest_load", "combine_rows_unkept", "ep_degree", "expert_all_to_all", "expert_op_cost",
+__all__ = ["ExpertRows", "MoeLayer", "active_share", "busiest_experts", "busiest_load", "combine_rows_unkept", "ep_degree", "expert_dims", "expert_all_to_all", "expert_op_cost",
            "expert_tensors", "gemm_streams", "grouped", "loaded", "moe_layers", "plan_loads", "plan_rows", "rank_load",
            "reached", "sorted_by_expert"]
