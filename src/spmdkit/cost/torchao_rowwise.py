@@ -47,9 +47,10 @@ import math
 from dataclasses import replace
 from typing import Protocol
 
+import spmdkit.ops  # noqa: F401  (registers the matmul family, whose cost functions price the linear)
 from spmdkit.cost.rates import Rates
 from spmdkit.cost.torchao_casts import rowwise_cast_bytes
-from spmdkit.engine.facts import OpCost
+from spmdkit.engine.facts import LocalOp, OpCost, facts_of
 
 
 class Timing(Protocol):
@@ -116,17 +117,18 @@ def table_speedup(m: int, k: int, n: int) -> float:
 
 
 def linear_costs(m: int, k: int, n: int, rowwise: bool) -> tuple[OpCost, OpCost]:
-    """The forward and the backward of one linear x (m, k) -> (m, n), weight (n, k), bf16, as a plan
-    prices them (:func:`spmdkit.ops.matmul.cost` / ``grad_cost``: the operands' and results' bytes,
-    its GEMMs); ``rowwise``: torchao's rowwise recipe, its input cast in the forward and re-scaled in
-    the backward (:func:`~spmdkit.cost.torchao_casts.rowwise_cast_bytes`)."""
-    mk, nk, mn = m * k, n * k, m * n
-    fwd = OpCost(2.0 * m * n * k, 2.0 * m * n * k, 2.0 * (mk + nk + mn), True, "bfloat16", gemms=((1, m, n, k),))
-    bwd = OpCost(4.0 * m * n * k, 4.0 * m * n * k, 2.0 * (mk + nk + mn) + 2.0 * (mk + nk), True, "bfloat16",
-                 gemms=((1, m, k, n), (1, k, n, m)))
+    """The forward and the backward of one linear x (m, k) -> (m, n), weight (k, n), bf16, priced by
+    the matmul family's own cost functions, as a plan prices them (``matmul`` / ``matmul_grad``: the
+    operands' and results' bytes, its GEMMs); ``rowwise``: torchao's rowwise recipe, its input cast in
+    the forward and re-scaled in the backward (:func:`~spmdkit.cost.torchao_casts.rowwise_cast_bytes`)."""
+    x, y, out = ((m, k), 2, "bfloat16"), ((k, n), 2, "bfloat16"), ((m, n), 2, "bfloat16")
+    fwd_fn, bwd_fn = facts_of("matmul").cost, facts_of("matmul_grad").cost
+    assert fwd_fn is not None and bwd_fn is not None  # spmdkit.ops.matmul declares both
+    fwd = fwd_fn(LocalOp("matmul", {}, {"x": [x], "y": [y]}, [out]))
+    bwd = bwd_fn(LocalOp("matmul_grad", {}, {"x": [x], "y": [y], "out_grad": [out]}, [x, y]))
     if not rowwise:
         return fwd, bwd
-    gemm = (1, m, n, k)
+    gemm, nk = (1, m, n, k), n * k
     return (replace(fwd, fp8=True, cast_bytes=rowwise_cast_bytes(gemm, nk, grad=False, x_cast=True, x_transpose=False)),
             replace(bwd, fp8=True, cast_bytes=rowwise_cast_bytes(gemm, nk, grad=True, x_cast=False, x_transpose=True)))
 
