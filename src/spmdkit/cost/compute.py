@@ -392,11 +392,11 @@ def _fp8(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     if plan.runtime.framework == "torchtitan":  # torchao's float8 linears, under torch.compile
         weight = lop.one("y") or lop.one("weight")
         assert weight is not None  # gemm_dims read it
-        gathers = float8_tp_gather_dims(plan)
         if plan.runtime.float8_rowwise:  # torchao's rowwise recipe: its casts, re-scales and rescales
             return replace(c, fp8=True, rowwise=(b * m, k, n), cast_bytes=rowwise_cast_bytes(
                 (b, m, n, k), math.prod(weight[0]), grad=op.rule.endswith("_grad"),
                 x_cast=i in layers.first_reads, x_transpose=i in layers.first_grad_reads))
+        gathers = float8_tp_gather_dims(plan)  # tensorwise only: rowwise gathers in bf16
         src, dy = _operand(prog, op, _INPUT_PARAMS, None), op.inputs.get("out_grad")
         return replace(c, fp8=True, cast_bytes=torchao_cast_bytes(
             (b, m, n, k), math.prod(weight[0]), grad=op.rule.endswith("_grad"), pre=pre,
