@@ -51,6 +51,7 @@ from spmdkit.cost.context_torch import torch_cp_ops
 from spmdkit.cost.loss import FLASH_CE_BYTES, fused_loss
 from spmdkit.cost.memory_cp import allgather_buffers, shared_gathers
 from spmdkit.cost.memory_fsdp2 import copy_in_pool, makes_no_copy
+from spmdkit.cost.memory_merged import merged_curve
 from spmdkit.cost.memory_saved import (
     ActivationMemory,
     all_value_inputs,
@@ -525,6 +526,11 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
     states = sum(b[2] for b in held.values())
     (deltas,) = activation_deltas(plan, saved)
     peak, at, curve = peak_of(deltas, len(prog.ops))
+    merged = merged_curve(plan, saved, curve)  # --ep-comm-overlap's merged steps: the partner's layers beside
+    if merged is not curve:
+        curve = merged
+        at = max(range(len(curve)), key=curve.__getitem__)
+        peak = curve[at]
     return with_overheads(params, grads, states, peak, at, plan, 1, saved, tuple(curve), copy_in_pool(plan))
 
 
