@@ -285,9 +285,15 @@ def measure_gemm_fp8(s: GemmShape, device: Any, timing: Timing) -> GemmPoint:
     return GemmPoint(s.m, s.n, s.k, "fp8", s.flops / sec / 1e12)
 
 
-def measure_attention(s: AttentionShape, device: Any, timing: Timing) -> tuple[AttentionPoint, str]:
+#: a kernel of :func:`measure_attention` -> torch's ``SDPBackend`` member that runs it
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+
+
+def measure_attention(s: AttentionShape, device: Any, timing: Timing,
+                      kernel_name: str = "flash") -> tuple[AttentionPoint, str]:
     """(the rates of ``scaled_dot_product_attention`` forward and backward at ``s``, the kernel
-    used): flash on a GPU where it applies, torch's choice otherwise."""
+    used): on a GPU the :data:`SDPA_BACKENDS` kernel ``kernel_name`` (flash, the default, or
+    cudnn) where torch has it and it applies, torch's choice ("default") otherwise."""
     torch = _torch()
     fn = torch.nn.functional.scaled_dot_product_attention
     dt = _dtype(torch, s.dtype)
@@ -310,10 +316,10 @@ def measure_attention(s: AttentionShape, device: Any, timing: Timing) -> tuple[A
         try:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[kernel_name])]):
                 f, b = run()
-            kernel = "flash"
-        except (ImportError, RuntimeError):
+            kernel = kernel_name
+        except (ImportError, RuntimeError, AttributeError):
             f, b = run()
     else:
         f, b = run()
@@ -554,7 +560,7 @@ def collective_row(op: str, ranks: int, nbytes: int, sec: float) -> str:
             f"bus {alg * bus_factor(op, ranks):8.4g} GB/s")
 
 
-__all__ = ["COLLECTIVES", "CalibrationError", "DTYPE_NAMES", "AttentionShape", "CollectiveJob", "GemmShape", "Timing", "attention_row",
+__all__ = ["COLLECTIVES", "SDPA_BACKENDS", "CalibrationError", "DTYPE_NAMES", "AttentionShape", "CollectiveJob", "GemmShape", "Timing", "attention_row",
            "bus_factor", "collective_row", "collective_sizes", "collective_worker", "copy_bytes", "default_attention",
            "default_gemms", "fp8_capable", "gemm_row", "group_sizes", "human_bytes", "measure_attention", "measure_collectives",
            "measure_copy", "measure_gemm", "measure_gemm_fp8", "median_seconds", "model_shapes"]
