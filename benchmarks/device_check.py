@@ -1,5 +1,5 @@
 """The prepared check of the cost model on one lent GPU (an H100 or H200): measured against
-predicted, in one short run (about 5 minutes on an H100). docs/devices.md, "Checking the model on
+predicted, in one short run (4 minutes of parts, plus torch's start). docs/devices.md, "Checking the model on
 a lent GPU", gives the exact ``run`` command.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/device_check.py --out "$OUT"
@@ -54,6 +54,7 @@ import math
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -124,7 +125,7 @@ GPU_MODEL = {"layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "ffn": 81
              "batch": 2, "dtype": "bfloat16", "arch": "llama", "activation": "swiglu", "attention": "flash",
              "tied_embeddings": False}
 GPU = Sizes("bf16", ((4096, 32), (16384, 8), (65536, 4)), 128, (32768, 16384, 32), QWEN3_30B_A3B, 4096, (8, 16),
-            GPU_MODEL, (3, 6), {"rates": 110.0, "open": 50.0, "step": 150.0, "compile_min": 60.0}, Timing(5, 20, 0.01), Timing(2, 5, 0.0),
+            GPU_MODEL, (3, 6), {"rates": 80.0, "open": 35.0, "step": 125.0, "compile_min": 60.0}, Timing(5, 20, 0.01), Timing(2, 5, 0.0),
             20000, True)
 DRY = Sizes("fp32", ((64, 2),), 16, (64, 32, 2), {"hidden": 32, "ffn": 16, "experts": 8, "top_k": 2}, 32, (2,),
             {**GPU_MODEL, "layers": 1, "hidden": 32, "heads": 2, "kv_heads": 1, "ffn": 64, "vocab": 128, "seq": 32,
@@ -512,6 +513,11 @@ def build_llama(torch: Any, cfg: dict[str, Any]) -> Any:
         xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
         return torch.view_as_real(xc * freqs[None, :, None, :]).flatten(3).type_as(x)
 
+    def repeat_kv(t: Any) -> Any:
+        b, s, kv, d = t.shape
+        rep = cfg["heads"] // cfg["kv_heads"]
+        return t[:, :, :, None, :].expand(b, s, kv, rep, d).reshape(b, s, kv * rep, d)
+
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -531,8 +537,7 @@ def build_llama(torch: Any, cfg: dict[str, Any]) -> Any:
             q = rotary(self.wq(y).view(b, s, -1, hd), freqs)
             k = rotary(self.wk(y).view(b, s, -1, hd), freqs)
             v = self.wv(y).view(b, s, -1, hd)
-            rep = cfg["heads"] // cfg["kv_heads"]
-            k, v = (t[:, :, :, None, :].expand(b, s, t.shape[2], rep, hd).reshape(b, s, -1, hd) for t in (k, v))
+            k, v = repeat_kv(k), repeat_kv(v)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
             x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
             y = self.ffn_norm(x)
@@ -705,6 +710,23 @@ def _failed(rec: Record, part: str, what: str, exc: BaseException) -> None:
     rec.save()
 
 
+def gpu_facts(torch: Any, dv: Any) -> dict[str, Any]:
+    """The GPU's SMs, memory and capability (torch) and its power limit and clocks (nvidia-smi, where
+    it answers): a power limit under the rated one lowers the clock every rate is scaled by."""
+    p = torch.cuda.get_device_properties(dv)
+    facts: dict[str, Any] = {"sms": p.multi_processor_count, "memory_bytes": p.total_memory,
+                             "capability": list(torch.cuda.get_device_capability(dv)),
+                             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+    query = "name,power.limit,power.max_limit,clocks.max.sm,clocks.sm,clocks.max.mem,driver_version"
+    try:
+        r = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=15)
+        facts["nvidia_smi"] = dict(zip(query.split(","), (v.strip() for v in r.stdout.splitlines()[0].split(","))))
+    except (OSError, IndexError, subprocess.SubprocessError) as exc:
+        facts["nvidia_smi"] = f"not read: {_one_line(exc)}"
+    return facts
+
+
 def check_machine(dry_run: bool, preset: str | None) -> tuple[Any, Any, str, str]:
     """(torch, the torch device, the GPU's name, the preset): ProgramError naming what is missing."""
     try:
@@ -750,6 +772,9 @@ def _run_parts(ns: argparse.Namespace, torch: Any, dv: Any, name: str, preset: s
                        "budget_s": ns.budget_s, "parts": {}})
     print(f"device_check: {name}, preset {preset}, torch {torch.__version__}{' (DRY RUN: CPU, tiny sizes)' if ns.dry_run else ''}; "
           f"results in {out / 'device_check.json'}", flush=True)
+    if dv.type == "cuda":
+        rec.data["gpu"] = gpu_facts(torch, dv)
+        print(f"  gpu: {json.dumps(rec.data['gpu'])}", flush=True)
     rec.save()
     deadline = time.monotonic() + ns.budget_s
     wanted = ns.parts.split(",")
@@ -786,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="every part's plumbing on the CPU at tiny sizes")
     ap.add_argument("--preset", help=f"the preset to compare with ({', '.join(DEVICES)}); default told from the GPU")
     ap.add_argument("--parts", default="rates,open,step", help="comma list of rates, open, step (default all)")
-    ap.add_argument("--budget-s", type=float, default=300.0, help="the whole run's time limit in seconds (300)")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="the parts' time together, in seconds (240; each part has its own limit within it)")
     ns = ap.parse_args(argv)
     bad = [p for p in ns.parts.split(",") if p not in PARTS]
     try:
