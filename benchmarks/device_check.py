@@ -124,9 +124,11 @@ class Sizes:
 GPU_MODEL = {"layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "ffn": 8192, "vocab": 128256, "seq": 4096,
              "batch": 2, "dtype": "bfloat16", "arch": "llama", "activation": "swiglu", "attention": "flash",
              "tied_embeddings": False}
+#: ``budgets``: each part's share of the run's seconds (a part's unused time passes to the next:
+#: part i ends by the sum of the shares up to i); ``compile_min``: the least left to try the compile
 GPU = Sizes("bf16", ((4096, 32), (16384, 8), (65536, 4)), 128, (32768, 16384, 32), QWEN3_30B_A3B, 4096, (8, 16),
-            GPU_MODEL, (3, 6), {"rates": 80.0, "open": 35.0, "step": 125.0, "compile_min": 60.0}, Timing(5, 20, 0.01), Timing(2, 5, 0.0),
-            20000, True)
+            GPU_MODEL, (3, 6), {"rates": 80.0, "open": 35.0, "step": 125.0, "compile_min": 60.0},
+            Timing(5, 20, 0.01), Timing(2, 5, 0.0), 20000, True)
 DRY = Sizes("fp32", ((64, 2),), 16, (64, 32, 2), {"hidden": 32, "ffn": 16, "experts": 8, "top_k": 2}, 32, (2,),
             {**GPU_MODEL, "layers": 1, "hidden": 32, "heads": 2, "kv_heads": 1, "ffn": 64, "vocab": 128, "seq": 32,
              "batch": 1},
@@ -188,10 +190,19 @@ def _row(what: str, measured: float | None, unit: str, model: float | None = Non
 
 
 class Budget:
-    """A part's time: ``left()`` seconds until its limit (or the whole run's, the earlier)."""
+    """A part's time: ``left()`` seconds until ``deadline`` (monotonic clock)."""
 
     def __init__(self, seconds: float, run_deadline: float) -> None:
         self.deadline = min(time.monotonic() + seconds, run_deadline)
+
+    @staticmethod
+    def part(sz: Sizes, part: str, wanted: list[str], start: float, run_deadline: float) -> Budget:
+        """Part ``part``'s time: until the sum of the shares of the parts run so far and its own
+        from ``start``, at most the run's deadline."""
+        end = start + sum(sz.budgets[p] for p in PARTS[:PARTS.index(part) + 1] if p in wanted)
+        b = Budget(0.0, run_deadline)
+        b.deadline = min(end, run_deadline)
+        return b
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -313,19 +324,15 @@ def part_rates(rec: Record, torch: Any, dv: Any, dev: Device, sz: Sizes, budget:
     sweep = default_gemms("bf16", False) if sz.dtype == "bf16" else [GemmShape(64, 64, 64, "fp32")]
     gemms = sorted(set(sweep) | set(plan_shapes[0]))
     print(f"part 1 rates: {len(gemms)} GEMM shapes, attention at {len(sz.attention)} lengths", flush=True)
+    nbytes = copy_bytes(dv.type == "cuda", sz.dtype != "bf16")  # the quick ones first: a second or less
+    hbm = measure_copy(dv, nbytes, sz.timing)
+    rec.row("rates", _row(f"HBM copy of {nbytes >> 20} MiB (read + write)", hbm, "GB/s", dev.hbm_rate / 1e9,
+                          dev.hbm_rate / 1e9, bytes=nbytes))
+    per = measure_launch(torch, dv, sz.launch_ops)
+    rec.row("rates", _row(f"eager launch, host-bound loop of {sz.launch_ops} tiny ops", per * 1e6, "us/op",
+                          dev.rates.launch_s * 1e6, dev.rates.launch_s * 1e6))
     gp = _gemm_rows(rec, torch, dv, dev, sz, budget, gemms)
     ap = _attention_rows(rec, torch, dv, dev, sz, budget, plan_shapes[1])
-    hbm = None
-    if budget.left() > 0:
-        nbytes = copy_bytes(dv.type == "cuda", sz.dtype != "bf16")
-        hbm = measure_copy(dv, nbytes, sz.timing)
-        rec.row("rates", _row(f"HBM copy of {nbytes >> 20} MiB (read + write)", hbm, "GB/s", dev.hbm_rate / 1e9,
-                              dev.hbm_rate / 1e9, bytes=nbytes))
-        per = measure_launch(torch, dv, sz.launch_ops)
-        rec.row("rates", _row(f"eager launch, host-bound loop of {sz.launch_ops} tiny ops", per * 1e6, "us/op",
-                              dev.rates.launch_s * 1e6, dev.rates.launch_s * 1e6))
-    else:
-        rec.note("rates", "time spent: HBM copy and launch overhead skipped")
     if not gp and not ap:
         return None
     src = f"benchmarks/device_check.py, torch {torch.__version__}, {name[:60]}"
@@ -776,14 +783,15 @@ def _run_parts(ns: argparse.Namespace, torch: Any, dv: Any, name: str, preset: s
         rec.data["gpu"] = gpu_facts(torch, dv)
         print(f"  gpu: {json.dumps(rec.data['gpu'])}", flush=True)
     rec.save()
-    deadline = time.monotonic() + ns.budget_s
+    start = time.monotonic()
+    deadline = start + ns.budget_s
     wanted = ns.parts.split(",")
     devfile = None
     for part in PARTS:
         if part not in wanted:
             continue
         rec.part(part)
-        budget = Budget(sz.budgets[part], deadline)
+        budget = Budget.part(sz, part, wanted, start, deadline)
         t = time.monotonic()
         try:
             if part == "rates":

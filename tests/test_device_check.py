@@ -114,3 +114,14 @@ def test_measure_attention_names_the_kernel_it_ran() -> None:
     _p, kernel = measure_attention(AttentionShape(1, 2, 16, 8, True, "fp32"), torch.device("cpu"),
                                    Timing(0, 1, 0.0), "cudnn")
     assert kernel == "default"
+
+
+def test_a_part_ends_by_the_shares_so_far() -> None:
+    """The GPU run's shares (rates 80 s, open 35 s, step 125 s): a part's unused time passes to the
+    next, and the run's deadline caps them all."""
+    dc = _script()
+    start = 1000.0
+    ends = [dc.Budget.part(dc.GPU, p, ["rates", "open", "step"], start, start + 240.0).deadline for p in dc.PARTS]
+    assert ends == [1080.0, 1115.0, 1240.0]
+    assert dc.Budget.part(dc.GPU, "step", ["step"], start, start + 240.0).deadline == 1125.0
+    assert dc.Budget.part(dc.GPU, "step", ["rates", "step"], start, start + 150.0).deadline == 1150.0
