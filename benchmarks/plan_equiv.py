@@ -51,6 +51,15 @@ _DEEPSEEK = '{"vocab_size":64,"hidden_size":32,"intermediate_size":64,"moe_inter
 #: the argv word replaced by ``NN.html`` (``--html`` written to the snapshot's folder)
 HTML = "@HTML"
 _P = ["--html", HTML]
+
+
+def _hf(cls: str, config: str, mesh: str, strategy: str, *more: str, batch: int = 4, page: bool = False) -> list[str]:
+    """``--hf CLS`` of a tiny ``config`` on ``mesh`` and ``strategy``, 16 tokens a sequence, on an
+    H100; ``page``: with ``--html``."""
+    return ["--hf", cls, "--hf-config", config, "--mesh", mesh, "--strategy", strategy, *more, "--seq", "16",
+            "--batch", str(batch), *_H, *(_P if page else [])]
+
+
 #: (label, argv after ``plan``); each is run with ``--json`` and without
 COMMANDS: list[tuple[str, list[str]]] = [
     ("preset llama-7b dp2 tp4", ["--model", "llama-7b", "--mesh", "dp=2,tp=4", "--strategy", "megatron", *_H]),
@@ -92,29 +101,18 @@ COMMANDS: list[tuple[str, list[str]]] = [
     ("html auto explain", ["--model", "gpt2-small", "--layers", "2", "--mesh", "dp=2,tp=2", "--auto", "--explain",
                            *_H, *_P]),
     # --hf imports (strategies/hf.py): dense, fused, user patterns, MoE (whole, tp chunks, ep), cp
-    ("hf llama sp zero1 html", ["--hf", "LlamaForCausalLM", "--hf-config", _LLAMA, "--mesh", "dp=2,tp=2",
-                                "--strategy", "megatron,sp,zero1", "--seq", "16", "--batch", "4", *_H, *_P]),
-    ("hf llama tp4 kv replicated zero3", ["--hf", "LlamaForCausalLM", "--hf-config", _LLAMA, "--mesh", "dp=2,tp=4",
-                                          "--strategy", "megatron,zero3", "--seq", "16", "--batch", "4", *_H]),
-    ("hf gpt2 fused c_attn sp", ["--hf", "GPT2LMHeadModel", "--hf-config", _GPT2, "--mesh", "dp=2,tp=2",
-                                 "--strategy", "megatron,sp", "--seq", "16", "--batch", "4", *_H]),
-    ("hf gpt2 tp-plan", ["--hf", "GPT2LMHeadModel", "--hf-config", _GPT2, "--mesh", "dp=2,tp=2", "--strategy",
-                         "megatron", "--tp-plan", '{"c_attn": "replicate", "attn.c_proj": "replicate"}',
-                         "--seq", "16", "--batch", "4", *_H]),
-    ("hf mixtral sp", ["--hf", "MixtralForCausalLM", "--hf-config", _MIXTRAL, "--mesh", "dp=2,tp=2",
-                       "--strategy", "megatron,sp", "--seq", "16", "--batch", "4", *_H]),
-    ("hf mixtral ep etp=1 sp", ["--hf", "MixtralForCausalLM", "--hf-config", _MIXTRAL, "--mesh", "ep=2,tp=2",
-                                "--strategy", "megatron,sp,ep,etp=1", "--seq", "16", "--batch", "8", *_H]),
-    ("hf qwen3 moe dp ep", ["--hf", "Qwen3MoeForCausalLM", "--hf-config", _QWEN3, "--mesh", "dp=2,ep=2",
-                            "--strategy", "dp,ep", "--seq", "16", "--batch", "4", *_H]),
-    ("hf deepseek-v3 megatron sp", ["--hf", "DeepseekV3ForCausalLM", "--hf-config", _DEEPSEEK, "--mesh", "dp=2,tp=2",
-                                    "--strategy", "megatron,sp", "--seq", "16", "--batch", "4", *_H]),
-    ("hf llama cp tp sp", ["--hf", "LlamaForCausalLM", "--hf-config", _LLAMA, "--mesh", "cp=2,tp=2",
-                           "--strategy", "megatron,sp,cp", "--seq", "16", "--batch", "2", *_H]),
-    ("hf mixtral cp ep-from=cp", ["--hf", "MixtralForCausalLM", "--hf-config", _MIXTRAL, "--mesh", "cp=2,ep=2",
-                                  "--strategy", "cp,ep,ep-from=cp", "--seq", "16", "--batch", "2", *_H]),
-    ("hf mixtral cp tp sp", ["--hf", "MixtralForCausalLM", "--hf-config", _MIXTRAL, "--mesh", "cp=2,tp=2",
-                             "--strategy", "megatron,sp,cp", "--seq", "16", "--batch", "2", *_H]),
+    ("hf llama sp zero1 html", _hf("LlamaForCausalLM", _LLAMA, "dp=2,tp=2", "megatron,sp,zero1", page=True)),
+    ("hf llama tp4 kv replicated zero3", _hf("LlamaForCausalLM", _LLAMA, "dp=2,tp=4", "megatron,zero3")),
+    ("hf gpt2 fused c_attn sp", _hf("GPT2LMHeadModel", _GPT2, "dp=2,tp=2", "megatron,sp")),
+    ("hf gpt2 tp-plan", _hf("GPT2LMHeadModel", _GPT2, "dp=2,tp=2", "megatron", "--tp-plan",
+                            '{"c_attn": "replicate", "attn.c_proj": "replicate"}')),
+    ("hf mixtral sp", _hf("MixtralForCausalLM", _MIXTRAL, "dp=2,tp=2", "megatron,sp")),
+    ("hf mixtral ep etp=1 sp", _hf("MixtralForCausalLM", _MIXTRAL, "ep=2,tp=2", "megatron,sp,ep,etp=1", batch=8)),
+    ("hf qwen3 moe dp ep", _hf("Qwen3MoeForCausalLM", _QWEN3, "dp=2,ep=2", "dp,ep")),
+    ("hf deepseek-v3 megatron sp", _hf("DeepseekV3ForCausalLM", _DEEPSEEK, "dp=2,tp=2", "megatron,sp")),
+    ("hf llama cp tp sp", _hf("LlamaForCausalLM", _LLAMA, "cp=2,tp=2", "megatron,sp,cp", batch=2)),
+    ("hf mixtral cp ep-from=cp", _hf("MixtralForCausalLM", _MIXTRAL, "cp=2,ep=2", "cp,ep,ep-from=cp", batch=2)),
+    ("hf mixtral cp tp sp", _hf("MixtralForCausalLM", _MIXTRAL, "cp=2,tp=2", "megatron,sp,cp", batch=2)),
 ]
 
 _BLANK = [(re.compile(r"planned in [0-9.]+ s"), "planned in X s"),
