@@ -10,9 +10,13 @@ not change an answer: propagation, per-op cost, memory).
 (so that memo tables and rule caches carry from one command to the next, as they would in a
 long-lived process: a memo keyed too loosely shows up as a difference), with ``--tree``'s
 ``src`` first on the path (default: this checkout); each command's stdout goes to
-``OUT_DIR/NN.json`` or ``NN.txt``. Wall-clock figures are blanked (``plan_seconds``, "planned
-in X s"). ``compare`` prints the commands whose outputs differ and exits 1 if any does.
-Standard library only.
+``OUT_DIR/NN.json`` or ``NN.txt``. A command whose argv holds :data:`HTML` writes its ``--html``
+page to ``OUT_DIR/NN.html`` (run from OUT_DIR, so the page's command line is the same in every
+snapshot); it is compared byte for byte, but for the wall-clock figures. Wall-clock figures are
+blanked (``plan_seconds``, "planned in X s", "solved in X s"). ``compare`` prints the commands
+whose outputs differ and exits 1 if any does. The ``--hf`` commands need torch and transformers
+(the imports of tiny configs: dense, GPT-2's fused projection, MoE routed whole and in tp chunks,
+expert parallel, context parallel). Standard library only (but for what ``--hf`` imports).
 """
 
 from __future__ import annotations
@@ -31,6 +35,31 @@ ROOT = Path(__file__).resolve().parents[1]
 _H = ["--device", "h100"]
 _TINY = '{"vocab_size":128,"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,' \
         '"num_attention_heads":4,"num_key_value_heads":2}'
+_LLAMA = '{"vocab_size":64,"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,' \
+         '"num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":64}'
+_GPT2 = '{"n_layer":2,"n_embd":64,"n_head":4,"vocab_size":256,"n_positions":64,"bos_token_id":0,"eos_token_id":0}'
+_MIXTRAL = '{"vocab_size":64,"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,"num_attention_heads":4,' \
+           '"num_key_value_heads":2,"max_position_embeddings":64,"num_local_experts":4,"num_experts_per_tok":2}'
+_QWEN3 = '{"vocab_size":64,"hidden_size":32,"intermediate_size":64,"num_hidden_layers":1,"num_attention_heads":4,' \
+         '"num_key_value_heads":4,"max_position_embeddings":64,"num_experts":4,"num_experts_per_tok":2,' \
+         '"moe_intermediate_size":32,"norm_topk_prob":true}'
+_DEEPSEEK = '{"vocab_size":64,"hidden_size":32,"intermediate_size":64,"moe_intermediate_size":32,' \
+            '"num_hidden_layers":2,"first_k_dense_replace":1,"num_attention_heads":4,"num_key_value_heads":4,' \
+            '"n_routed_experts":4,"n_shared_experts":1,"num_experts_per_tok":2,"n_group":1,"topk_group":1,' \
+            '"q_lora_rank":16,"kv_lora_rank":16,"qk_rope_head_dim":8,"qk_nope_head_dim":8,"v_head_dim":8,' \
+            '"max_position_embeddings":64}'
+#: the argv word replaced by ``NN.html`` (``--html`` written to the snapshot's folder)
+HTML = "@HTML"
+_P = ["--html", HTML]
+
+
+def _hf(cls: str, config: str, mesh: str, strategy: str, *more: str, batch: int = 4, page: bool = False) -> list[str]:
+    """``--hf CLS`` of a tiny ``config`` on ``mesh`` and ``strategy``, 16 tokens a sequence, on an
+    H100; ``page``: with ``--html``."""
+    return ["--hf", cls, "--hf-config", config, "--mesh", mesh, "--strategy", strategy, *more, "--seq", "16",
+            "--batch", str(batch), *_H, *(_P if page else [])]
+
+
 #: (label, argv after ``plan``); each is run with ``--json`` and without
 COMMANDS: list[tuple[str, list[str]]] = [
     ("preset llama-7b dp2 tp4", ["--model", "llama-7b", "--mesh", "dp=2,tp=4", "--strategy", "megatron", *_H]),
@@ -58,6 +87,32 @@ COMMANDS: list[tuple[str, list[str]]] = [
     ("hf tiny llama pp2", ["--hf", "LlamaForCausalLM", "--hf-config", _TINY, "--mesh", "pp=2,tp=2",
                            "--strategy", "megatron"]),
     ("auto small", ["--model", "gpt2-small", "--layers", "2", "--mesh", "dp=2,tp=2", "--auto", *_H]),
+    # --html pages (outputs/html.py): the page, the cards, the step and memory figures, a pipeline's
+    ("html llama-7b dp2 tp4", ["--model", "llama-7b", "--layers", "4", "--mesh", "dp=2,tp=4", "--strategy",
+                               "megatron,sp,zero1", "--recompute", "selective", *_H, *_P]),
+    ("html no device grad-accum nodes-of", ["--model", "gpt2-small", "--layers", "2", "--mesh", "dp=4,tp=2",
+                                            "--strategy", "megatron,zero3", "--grad-accum", "2", "--nodes-of",
+                                            "4", *_P]),
+    ("html pipeline 1f1b", ["--model", "llama-70b", "--layers", "8", "--mesh", "pp=4,dp=2,tp=4", "--strategy",
+                            "megatron", "--microbatches", "8", "--recompute", "full", *_H, *_P]),
+    ("html pipeline interleaved moe", ["--model", "qwen3-30b-a3b", "--mesh", "pp=4,dp=2,tp=4", "--strategy",
+                                       "megatron", "--schedule", "interleaved", "--microbatches", "8", "--layers",
+                                       "16", "--batch", "16", *_H, *_P]),
+    ("html auto explain", ["--model", "gpt2-small", "--layers", "2", "--mesh", "dp=2,tp=2", "--auto", "--explain",
+                           *_H, *_P]),
+    # --hf imports (strategies/hf.py): dense, fused, user patterns, MoE (whole, tp chunks, ep), cp
+    ("hf llama sp zero1 html", _hf("LlamaForCausalLM", _LLAMA, "dp=2,tp=2", "megatron,sp,zero1", page=True)),
+    ("hf llama tp4 kv replicated zero3", _hf("LlamaForCausalLM", _LLAMA, "dp=2,tp=4", "megatron,zero3")),
+    ("hf gpt2 fused c_attn sp", _hf("GPT2LMHeadModel", _GPT2, "dp=2,tp=2", "megatron,sp")),
+    ("hf gpt2 tp-plan", _hf("GPT2LMHeadModel", _GPT2, "dp=2,tp=2", "megatron", "--tp-plan",
+                            '{"c_attn": "replicate", "attn.c_proj": "replicate"}')),
+    ("hf mixtral sp", _hf("MixtralForCausalLM", _MIXTRAL, "dp=2,tp=2", "megatron,sp")),
+    ("hf mixtral ep etp=1 sp", _hf("MixtralForCausalLM", _MIXTRAL, "ep=2,tp=2", "megatron,sp,ep,etp=1", batch=8)),
+    ("hf qwen3 moe dp ep", _hf("Qwen3MoeForCausalLM", _QWEN3, "dp=2,ep=2", "dp,ep")),
+    ("hf deepseek-v3 megatron sp", _hf("DeepseekV3ForCausalLM", _DEEPSEEK, "dp=2,tp=2", "megatron,sp")),
+    ("hf llama cp tp sp", _hf("LlamaForCausalLM", _LLAMA, "cp=2,tp=2", "megatron,sp,cp", batch=2)),
+    ("hf mixtral cp ep-from=cp", _hf("MixtralForCausalLM", _MIXTRAL, "cp=2,ep=2", "cp,ep,ep-from=cp", batch=2)),
+    ("hf mixtral cp tp sp", _hf("MixtralForCausalLM", _MIXTRAL, "cp=2,tp=2", "megatron,sp,cp", batch=2)),
 ]
 
 _BLANK = [(re.compile(r"planned in [0-9.]+ s"), "planned in X s"),
@@ -83,9 +138,10 @@ def snapshot(out_dir: Path, tree: Path, only: str | None) -> int:
             if only and only not in label:
                 continue
             buf, err = io.StringIO(), io.StringIO()
-            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
+            args = [f"{k:02d}.html" if a == HTML else a for a in argv]
+            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err), contextlib.chdir(out_dir):
                 try:
-                    rc = main(["plan", *argv, *(["--json"] if as_json else [])])
+                    rc = main(["plan", *args, *(["--json"] if as_json else [])])
                 except SystemExit as exc:
                     rc = exc.code
             if as_json:  # key order and float text as written; checked to parse
@@ -93,7 +149,7 @@ def snapshot(out_dir: Path, tree: Path, only: str | None) -> int:
                     json.loads(line)
             text = _normal(buf.getvalue())
             (out_dir / f"{k:02d}.{'json' if as_json else 'txt'}").write_text(
-                f"# {label}: plan {' '.join(argv)}{' --json' if as_json else ''} -> exit {rc}\n{text}"
+                f"# {label}: plan {' '.join(args)}{' --json' if as_json else ''} -> exit {rc}\n{text}"
                 f"# stderr\n{_normal(err.getvalue())}")
             print(f"{k:02d} exit {rc} {label}{' --json' if as_json else ''}", flush=True)
     return 0
@@ -108,10 +164,16 @@ def compare(a: Path, b: Path) -> int:
             print(f"{n}: only in {a if pa.exists() else b}")
             bad += 1
             continue
-        ta, tb = _normal(pa.read_text()), _normal(pb.read_text())
+        if pa.read_bytes() == pb.read_bytes():
+            continue
+        ta, tb = _normal(pa.read_text(encoding="utf-8")), _normal(pb.read_text(encoding="utf-8"))
         if ta != tb:
             bad += 1
             print(f"{n}: differs ({ta.splitlines()[0]})")
+            if n.endswith(".html"):  # one long line: where the pages part, with some context
+                at = next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+                print(f"-{ta[max(0, at - 120):at + 180]}\n+{tb[max(0, at - 120):at + 180]}")
+                continue
             diff = list(difflib.unified_diff(ta.splitlines(), tb.splitlines(), lineterm="", n=0))
             print("\n".join(line[:300] for line in diff[:12]))
     print(f"{len(names) - bad} of {len(names)} outputs identical")

@@ -14,7 +14,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import HFModel, ProgramFile
 from spmdkit.planner.planning import clip_repr
-from spmdkit.strategies.hf import check_patterns
+from spmdkit.strategies.hf_patterns import check_patterns
 
 #: The longest ``--annotate`` dims_mapping text, and the most entries one may have.
 MAX_ANNOTATION_CHARS = 4096

@@ -57,7 +57,7 @@ from spmdkit.outputs.dtensor_ep import expert_note, expert_parallel_statement
 from spmdkit.outputs.torch_cp import torch_context_parallel
 from spmdkit.program.ir import Op, Program
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.hf import data_inputs, forward_readers, parameters, weight_axes
+from spmdkit.strategies.hf_program import data_inputs, forward_readers, parameters, weight_axes
 
 FORMATS = ("dtensor", "jax", "paddle")
 #: every --export format: the JSON documents above and ``torch``, a Python module

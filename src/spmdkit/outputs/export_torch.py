@@ -75,7 +75,7 @@ from spmdkit.planner.pipeline_split import PipelineSpec
 from spmdkit.program.ir import Op
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.hf import data_inputs, weight_axes
+from spmdkit.strategies.hf_program import data_inputs, weight_axes
 
 
 class _TorchExport(_DTensorExport):

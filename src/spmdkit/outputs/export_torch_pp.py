@@ -15,7 +15,7 @@ from spmdkit.planner.pipeline_split import PipelineSpec, op_stages
 from spmdkit.planner.stage_costs import shared_parameters
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.hf import parameters
+from spmdkit.strategies.hf_program import parameters
 
 #: a plan's collective kind -> the op CommDebugMode counts (torch's functional collectives)
 FUNCOL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",

@@ -31,13 +31,9 @@ from spmdkit.strategies.context import config_for as cp_config
 from spmdkit.strategies.context import cp_groups, hf_cp
 from spmdkit.strategies.experts import config_for as ep_config
 from spmdkit.strategies.experts import tp_chunks
-from spmdkit.strategies.hf import (
-    annotate_program,
-    megatron_program,
-    mirror_forward_layouts,
-    optimizer_of,
-    regroup_partial_sums,
-)
+from spmdkit.strategies.hf import annotate_program
+from spmdkit.strategies.hf_program import optimizer_of
+from spmdkit.strategies.hf_rewrite import megatron_program, mirror_forward_layouts, regroup_partial_sums
 from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy, user_attrs, zero3_storage
 
 #: The most layers ``--layers`` takes: planning is linear in the ops (~30 per layer with its

@@ -22,7 +22,7 @@ from spmdkit.models.zoo import ModelConfig
 from spmdkit.program.ir import Program
 from spmdkit.strategies.context import hf_cp, hf_pipeline_refusal
 from spmdkit.strategies.experts import tp_chunks
-from spmdkit.strategies.hf import data_inputs
+from spmdkit.strategies.hf_program import data_inputs
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_problem
 
 #: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
