@@ -62,9 +62,19 @@ def test_plan_auto_pp_program_and_explain(tmp_path: Path, capsys: pytest.Capture
     assert "layers per stage 1,1" in out and "--explain: per layer" in out
 
 
+def test_plan_auto_pp_cp_of_an_hf_model_traces_its_stages_for_cp() -> None:
+    """An --hf model on pp=2,cp=2 (refused until 2026-12-07): the stages' program is traced in the cp
+    ranks' token order (its loss reads the labels shifted before the permutation, models/hf_cp.py),
+    as the flat ``plan --hf --auto --mesh cp=2`` imports it, and the search runs on it."""
+    rc, out = cli_stdout("plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(TINY_LLAMA_HF), "--seq", "8",
+                         "--mesh", "pp=2,cp=2", "--auto", "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert "shift_labels" in doc["tensors"] and doc["pipeline"]["pp"] == 2
+    assert doc["auto"]["status"] == "Optimal"
+
+
 @pytest.mark.parametrize(("args", "msg"), [
-    (["--hf", "LlamaForCausalLM", "--hf-config", json.dumps(TINY_LLAMA_HF), "--seq", "8", "--mesh", "pp=2,cp=2"],
-     "ProgramError: --mesh pp=2,cp=2: context parallelism of an --hf model in a pipeline is not built"),
     (["--model", "tiny-llama", "--mesh", "pp=2,dp=2", "--strategy", "megatron"],
      "ProgramError: --strategy: does not apply with --auto (the search chooses the shardings)"),
     (["--model", "tiny-llama", "--mesh", "pp=2,dp=2", "--verify"],

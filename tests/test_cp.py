@@ -209,15 +209,41 @@ def test_ring_plan_moves_nothing_but_the_gradients() -> None:
 
 
 def test_alltoall_plan_trades_sequence_for_heads() -> None:
-    """Per layer 9 all-to-alls over cp issued: forward q, k, v to heads and out back (4);
-    backward out and out_grad to heads and the three grads back (5; q, k, v reuse their forward
-    trades, listed as shared); no gather."""
+    """Per layer 8 all-to-alls over cp issued: forward q, k, v to heads and out back (4);
+    backward out_grad to heads and the three grads back (4). The grad reads q, k, v and out as
+    the forward had them in head layout (shared): out is the kernel's own output, kept for its
+    grad as DeepSpeed-Ulysses' local attention and Transformer Engine's AttnFuncWithCPAndQKVOA2A
+    (``out_part``, since 789c6ca63) keep it; it was traded back to the heads again (5 a layer)."""
     _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,cp-attention=alltoall")
     issued = [r for r in plan.reshards if not r.shared and r.plan.steps[0].kind == "all_to_all"]
     by_phase = collections.Counter(plan.program.ops[r.op_index].phase for r in issued)
-    assert by_phase == {"forward": 8, "backward": 10}
+    assert by_phase == {"forward": 8, "backward": 8}
     assert {s.mesh_dims for r in issued for s in r.plan.steps} == {(1,)}
     assert set(_kinds(plan)) == {("all_to_all", "cp"), ("all_reduce", "dpxcp")}
+    grads = [op for op in plan.program.ops if op.rule == "cp_attention_grad"]
+    shared = {(r.tensor, plan.program.ops[r.op_index].rule) for r in plan.reshards if r.shared}
+    assert shared == {(op.inputs[p], "cp_attention_grad") for op in grads for p in ("q", "k", "v", "out")}
+    backward = sorted(r.tensor for r in issued if plan.program.ops[r.op_index].phase == "backward")
+    assert backward == sorted(n for op in grads for n in (op.inputs["out_grad"], *op.outputs[:3]))
+
+
+def test_alltoall_holds_the_head_layout_output_for_its_grad() -> None:
+    """The head-layout output kept for the grad is memory: each layer's local out in head layout
+    (out [4, 8, 4, 4] float32 as [b/dp, s, h/cp, d] = 2 x 8 x 2 x 4 x 4 B = 512 bytes) held from
+    the forward to the backward: the peak (at the backward's start) 2 x 512 above the ring plan's,
+    which holds the same otherwise (equal before the copy was kept)."""
+    from spmdkit.cost.memory import local_numel, memory_per_device
+
+    _, a2a, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,cp-attention=alltoall")
+    _, ring, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,cp-attention=ring")
+    prog = a2a.program
+    out = [r for r in a2a.reshards if r.output and prog.ops[r.op_index].rule == "cp_attention"]
+    assert len(out) == 2
+    each = {local_numel(r.src, prog.tensors[r.tensor].shape) * prog.tensors[r.tensor].itemsize for r in out}
+    assert each == {512}
+    assert memory_per_device(a2a).activation_peak - memory_per_device(ring).activation_peak == 2 * 512
+    # recomputed (full): the attention runs again right before its grad, nothing is held across
+    assert memory_per_device(a2a, "full").activation_peak == memory_per_device(ring, "full").activation_peak
 
 
 def test_zero_shards_the_states_over_dp_x_cp_with_one_collective_each_way() -> None:

@@ -5,6 +5,7 @@ attention, simulated equal to the unsharded step, run on gloo equal to torch eag
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -122,14 +123,49 @@ def test_run_on_gloo_equals_torch_eager(model: str, variant: str) -> None:
     assert rep["loss"] == pytest.approx(eager["loss"], rel=1e-5)
 
 
-def test_an_hf_pipeline_with_cp_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
-    """cp on an --hf model under a pipeline is not built: refused naming the mesh and why (it said
-    before that the program had no cp_attention and to import it with cp, which the user had asked)."""
+def _plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
     from spmdkit.cli import main
 
-    rc = main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "pp=2,dp=1,cp=2",
-               "--strategy", "cp", "--seq", "16", "--batch", "4"])
-    err = capsys.readouterr().err
-    assert rc != 0 and "Traceback" not in err
-    assert ("--mesh pp=2,dp=1,cp=2: context parallelism of an --hf model in a pipeline is not built (the stages are "
-            "imported without cp's token order)") in err
+    rc = main(["plan", *argv, "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "Traceback" not in err, err[-3000:]
+    doc: dict[str, object] = json.loads(out.strip().splitlines()[-1])
+    return doc
+
+
+@pytest.mark.parametrize(("model", "variant"), [(m, v) for m in ("LlamaForCausalLM", "Qwen2ForCausalLM")
+                                                for v in ("allgather", "ring", "alltoall")])
+def test_an_hf_pipeline_with_cp_plans_as_the_flat_step_and_verifies(model: str, variant: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """pp=2 with cp=2 on an --hf model (refused until 2026-12-07): each microbatch is traced in the cp ranks'
+    token order, so the stages' plan is the flat plan of one microbatch (the same shardings and reshards:
+    cp_attention of the variant, nothing over cp outside attention); --verify simulates 2 microbatches
+    against the whole batch traced in the same order (it gave NaN losses, the whole batch's reference
+    traced in natural order and its constants taken by name for the stages')."""
+    cfg = json.dumps(QWEN if model.startswith("Qwen") else LLAMA)
+    common = ["--hf", model, "--hf-config", cfg, "--strategy", "cp", "--cp-attention", variant, "--seq", "16"]
+    piped = _plan_json(capsys, *common, "--mesh", "pp=2,dp=1,cp=2", "--batch", "4", "--microbatches", "2",
+                       "--verify")
+    flat = _plan_json(capsys, *common, "--mesh", "dp=1,cp=2", "--batch", "2")
+    assert "shift_labels" in piped["tensors"]  # type: ignore[operator]  # the call traced under cp
+    assert piped["tensors"] == flat["tensors"] and piped["reshards"] == flat["reshards"]
+    v = piped["verify"]
+    assert isinstance(v, dict)
+    assert v["ok"] and v["losses_agree"] and not v["failures"] and v["checked"] > 700, v["text"]
+    assert v["microbatches"] == 2 and v["stages_in_order"]
+    assert math.isfinite(v["loss"]) and v["loss"] > 0
+
+
+@pytest.mark.parametrize(("mesh", "strategy"), [("pp=2,dp=1,cp=2", "cp"), ("pp=2,cp=2,ep=2", "cp,ep,ep-from=cp")])
+def test_an_hf_moe_pipeline_with_cp_verifies(mesh: str, strategy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny Mixtral (2 layers) in a pipeline with cp: each cp rank routes its own tokens in the stages and
+    in the whole batch's reference alike (both traced for cp), the expert group carved from the cp ranks
+    too; every tensor equal and the microbatch losses the whole batch's."""
+    cfg = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+           "num_local_experts": 4, "num_experts_per_tok": 2}
+    doc = _plan_json(capsys, "--hf", "MixtralForCausalLM", "--hf-config", json.dumps(cfg), "--mesh", mesh,
+                     "--strategy", strategy, "--seq", "16", "--batch", "4", "--microbatches", "2", "--verify")
+    v = doc["verify"]
+    assert isinstance(v, dict)
+    assert v["ok"] and v["losses_agree"] and v["checked"] > 900 and math.isfinite(v["loss"]), v["text"]

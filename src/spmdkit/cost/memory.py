@@ -325,7 +325,10 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     counted in each, from its first to its last use there (a stage holds what it received).
     Copies made by reshards live from the first op that reads them to the last (the K / V an
     allgather cp attention gathers: in each pass alone, gathered again for its grad,
-    :func:`spmdkit.cost.context.regathers`); a ZeRO-3 /
+    :func:`spmdkit.cost.context.regathers`); an annotated output's own copy, resharded after its
+    op and read again in that layout (alltoall attention's head-layout output, which its grad
+    reads: Transformer Engine's ``out_part``, DeepSpeed's local attention's saved output), from
+    that op to the reader (unless the op is recomputed); a ZeRO-3 /
     FSDP parameter gathered for its layer's ops of one phase lives from the start of the layer
     before (the next layer's all-gather is prefetched while one layer computes, as FSDP2 and
     DeepSpeed do) to its layer's last op. Parameter gradients, parameters and optimizer states
@@ -374,24 +377,15 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
             if a <= e:
                 add(g, a, e, size)
     stored = plan.storage
-    blocks: dict[tuple[str, str], list[int]] = {}  # (layer, phase) -> its first and last op
-    before: dict[tuple[str, str], int] = {}  # (layer, phase) -> the first op of the block run before it
-    if stored:
-        prev: dict[str, tuple[str, str]] = {}
-        for i, op in enumerate(prog.ops):
-            blk_key = (op.layer, op.phase)
-            blk = blocks.get(blk_key)
-            if blk is None:
-                blocks[blk_key] = [i, i]
-                p = prev.get(op.phase)
-                before[blk_key] = blocks[p][0] if p is not None and grp[blocks[p][0]] == grp[i] else i
-                prev[op.phase] = blk_key
-            else:
-                blk[1] = i
+    blocks, before = _layer_blocks(prog, grp) if stored else ({}, {})
     spans: dict[tuple[int, str, TensorDistAttr, str], list[int]] = {}
     root = root_reshard(plan) if groups == 1 else 0
     held_root: dict[str, tuple[int, TensorDistAttr]] = {}
     again = regathers(plan)  # a cp attention's K / V gathered again for its grad: a copy of its own
+    # an annotated output's own copy, kept after its op for a reader of that layout (the shared reshard,
+    # planner/propagate.py: alltoall attention's head-layout output held for its grad)
+    raw = {(r.tensor, r.src): r.op_index for r in plan.reshards if r.output and plan.annotations.get(r.tensor) == r.dst}
+    rerun = {i for region in saved.recomputed for i in region}
     for k, r in enumerate(plan.reshards):
         if makes_no_copy(plan, r):
             continue
@@ -414,6 +408,9 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
             # one copy per phase: the plan reshards again for a backward reader (and prices it),
             # so the forward's copy is not held to the backward
             lo = hi = r.op_index
+            made = raw.get((r.tensor, r.dst)) if r.shared and not r.output else None
+            if made is not None and made not in rerun and grp[made] == g:
+                lo = made  # held from the op that made it (run again right before the grad where recomputed)
             key = (g, r.tensor, r.dst, "again" if k in again else op.phase)
         s = spans.setdefault(key, [lo, hi])
         s[0], s[1] = min(s[0], lo), max(s[1], hi)
@@ -434,6 +431,26 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
         add(grp[i], i, i, fwd * elems)
         add(grp[j], j, j, bwd * elems)
     return deltas
+
+
+def _layer_blocks(prog: Program, grp: list[int]) -> tuple[dict[tuple[str, str], list[int]], dict[tuple[str, str], int]]:
+    """(``(layer, phase)`` -> its first and last op, ``(layer, phase)`` -> the first op of the block
+    run before it in the same group of ops, itself where none): where a ZeRO-3 / FSDP parameter's
+    gathered copy lives (:func:`activation_deltas`)."""
+    blocks: dict[tuple[str, str], list[int]] = {}
+    before: dict[tuple[str, str], int] = {}
+    prev: dict[str, tuple[str, str]] = {}
+    for i, op in enumerate(prog.ops):
+        blk_key = (op.layer, op.phase)
+        blk = blocks.get(blk_key)
+        if blk is None:
+            blocks[blk_key] = [i, i]
+            p = prev.get(op.phase)
+            before[blk_key] = blocks[p][0] if p is not None and grp[blocks[p][0]] == grp[i] else i
+            prev[op.phase] = blk_key
+        else:
+            blk[1] = i
+    return blocks, before
 
 
 #: softmax cross-entropy rules: (forward, the grad rule that reads its softmax)

@@ -352,8 +352,11 @@ class Rank:
                 fixed = plan.annotations.get(o)
                 if fixed is not None and fixed != made[o]:
                     t3 = self._clock()
+                    raw = local[o]
                     local[o] = move(o, fixed)
                     slot["comm"] += self._clock() - t3
+                    # the op's own copy, kept for a reader of its layout (shared in the plan: propagate)
+                    moved.setdefault((o, made[o], phase[0] if o in stored else ""), raw)
                     made[o] = fixed
                 outputs[o] = local[o]
         timing["step"] = {"wall": self._clock() - t_start}

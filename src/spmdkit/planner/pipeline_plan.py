@@ -26,7 +26,7 @@ from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import auto_config as auto_cp_config
-from spmdkit.strategies.context import hf_cp, hf_pipeline_refusal
+from spmdkit.strategies.context import hf_cp
 from spmdkit.strategies.experts import tp_chunks
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy, strategy_items
 
@@ -118,10 +118,10 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
             _check_batch(source.batch, m)
             # a bad mesh / strategy before importing; --auto splits the sequence on any cp dim of 2 ranks or more
             st = ["cp"] if auto is not None else parse_strategy(strategy or "megatron", sm)
-            if hf_cp(sm, st, source.seq) is not None:
-                raise ProgramError(hf_pipeline_refusal(mesh_text))
-            # megatron,sp,ep,etp=1: each sequence routed one chunk a tp rank (Megatron's token path)
-            source = replace(source, batch=source.batch // m, tp_chunks=tp_chunks(sm, st))
+            # each microbatch traced as the flat plan traces the step: on a cp sub-mesh in the cp ranks' token
+            # order with cp_attention (strategies.context.hf_cp); megatron,sp,ep,etp=1: each sequence routed one
+            # chunk a tp rank (Megatron's token path)
+            source = replace(source, batch=source.batch // m, cp=hf_cp(sm, st, source.seq), tp_chunks=tp_chunks(sm, st))
         if auto is not None:  # the refusals of a strategy or a cp mesh as the flat --auto gives them
             auto_cp_config(None, sm, strategy_items(strategy_text), "--hf" if isinstance(source, HFModel) else "--program")
         loaded = load(source)

@@ -180,21 +180,27 @@ def plan_program(prog: Program, mesh_text: str, strategy_text: str | None, user:
 
 def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | None, dtype: str = "float32",
             batch: int = 2, seq: int = 16, user: dict[str, Any] | None = None, patterns: Any = None,
-            cost_text: str | None = None, grad_accum: int = 1,
-            fallback: str = "error") -> tuple[Program, Any, dict[str, Any], Plan]:
+            cost_text: str | None = None, grad_accum: int = 1, fallback: str = "error",
+            cp_layout: tuple[str, str] | None = None) -> tuple[Program, Any, dict[str, Any], Plan]:
     """(program, model, keyword inputs, plan) for the HuggingFace model ``class_name`` built
     from ``config`` (a dict, a JSON object text or a config.json path; :func:`spmdkit.models.hf.build`),
     its training step imported at ``batch`` x ``seq`` and planned on ``mesh_text`` under
     ``strategy_text`` (default megatron). The program is the one planned (with megatron, its
     loss made vocab-parallel); run it with ``torch_values(prog, model, (), kw)``. ``fallback``:
-    ``"replicate"`` imports an op with no lowering as a replicated op (``--fallback replicate``)."""
+    ``"replicate"`` imports an op with no lowering as a replicated op (``--fallback replicate``).
+    ``cp_layout``: (mesh text, strategy text) whose context parallelism the step is traced for
+    (:func:`spmdkit.strategies.context.hf_cp`: the cp ranks' token order, ``cp_attention`` at
+    their positions) where that is not the mesh it is planned on: a pipeline ``--verify``'s
+    whole-batch reference, planned on one rank in the order its stages hold the tokens."""
     dt = dtype_name(dtype)
     b = parse_size("--batch", batch, MAX_SIZE)
     sq = parse_size("--seq", seq, MAX_SIZE)
     assert b is not None and sq is not None
     mesh = parse_mesh(mesh_text)
     st = parse_strategy(strategy_text or "megatron", mesh)  # refuse a bad mesh / strategy before importing
-    prog, model, kw = import_hf_checked(class_name, config, b, sq, dt, fallback=fallback, cp=hf_cp(mesh, st, sq),
+    cp = hf_cp(mesh, st, sq) if cp_layout is None else \
+        hf_cp(parse_mesh(cp_layout[0]), parse_strategy(cp_layout[1], parse_mesh(cp_layout[0])), sq)
+    prog, model, kw = import_hf_checked(class_name, config, b, sq, dt, fallback=fallback, cp=cp,
                                         tp_chunks=tp_chunks(mesh, st))
     prog, plan = plan_program(prog, mesh_text, strategy_text or "megatron", user, patterns, cost_text, grad_accum)
     return prog, model, kw, plan

@@ -575,10 +575,13 @@ class _PlanBuilder:
         self.reshards: list[Reshard] = []
         self.seen: dict[tuple[str, TensorDistAttr, str], Reshard] = {}
 
-    def reshard(self, name: str, src: TensorDistAttr, dst: TensorDistAttr, i: int, output: bool) -> Reshard:
+    def _key(self, name: str, dst: TensorDistAttr, i: int) -> tuple[str, TensorDistAttr, str]:
         prop = self.prop
-        p = prop.plan_of(name, src, dst)
-        key = (name, dst, prop.program.ops[i].phase if name in prop.store else "")  # stored: gathered again per phase
+        return (name, dst, prop.program.ops[i].phase if name in prop.store else "")  # stored: gathered again per phase
+
+    def reshard(self, name: str, src: TensorDistAttr, dst: TensorDistAttr, i: int, output: bool) -> Reshard:
+        p = self.prop.plan_of(name, src, dst)
+        key = self._key(name, dst, i)
         prev = self.seen.get(key)
         r = Reshard(name, src, dst, i, output, p, shared=prev is not None and not output)
         if prev is None:
@@ -619,7 +622,12 @@ class _PlanBuilder:
                         held[n] = target
                     made[n] = final[n] = target
                 elif n in fixed and fixed[n] != x:
-                    reshards.append(self.reshard(n, x, fixed[n], i, True))
+                    # an annotated output the rule makes otherwise, resharded after the op; the op's own
+                    # copy is kept, a later reader of that layout shares it (the op's grad: autograd saves
+                    # the output its kernel made, as the reshards' copies are kept for their readers)
+                    r = self.reshard(n, x, fixed[n], i, True)
+                    reshards.append(r)
+                    self.seen.setdefault(self._key(n, x, i), r)
                     made[n] = fixed[n]
                 elif n in reduced and x.partial and reduced[n] != x:
                     reshards.append(self.reshard(n, x, reduced[n], i, True))

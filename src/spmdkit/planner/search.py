@@ -25,8 +25,8 @@ Context parallelism: for a preset (or an --hf model, traced again for each cp la
 sequence is :data:`LONG_SEQ` tokens or more, each data-parallel degree (without ep) is also split into ``dp x cp`` (:func:`context_degrees`: cp
 dividing it, the sequence into ``2 cp`` zig-zag chunks; the mesh ``dp=D,cp=C,tp=T``) with the hand
 strategies plus ``,cp`` and, with ``auto``, the exact search on the model built with
-``cp_attention`` (an --hf model: imported for cp, allgather; no pipeline with cp, refused by
-name); a shorter sequence searches exactly the meshes it did before.
+``cp_attention`` (an --hf model: imported for cp, allgather; a pipeline's microbatch likewise);
+a shorter sequence searches exactly the meshes it did before.
 
 Which factorisations are tried: dp divides the global batch (each rank a whole number of
 sequences), tp divides the attention heads (Megatron's requirement; a preset only), pp is at

@@ -20,7 +20,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.memory_saved import recompute_regions
 from spmdkit.models.zoo import ModelConfig
 from spmdkit.program.ir import Program
-from spmdkit.strategies.context import hf_cp, hf_pipeline_refusal
+from spmdkit.strategies.context import hf_cp
 from spmdkit.strategies.experts import tp_chunks
 from spmdkit.strategies.hf_program import data_inputs
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_problem
@@ -280,19 +280,17 @@ class _Sizes:
     micro: int | None = None
     #: an imported model's sequence, where it can be traced again for cp (a preset's: its config's)
     seq: int | None = None
-    #: refuse a pipeline with cp (an --hf model: :func:`spmdkit.strategies.context.hf_pipeline_refusal`)
-    no_cp_pipeline: bool = False
 
 
 def program_sizes(prog: Program, layers: int, tokens: int | None, experts: int, reloads: bool) -> _Sizes:
     """The sizes of an imported or a program file's search: the batch its call was traced at (its
     data inputs' first axis); with ``reloads`` (an --hf model traced again per configuration)
-    pipelines in microbatches, its sequence (the inputs' second axis: cp tried from
-    :data:`LONG_SEQ`) and no pipeline with cp (:func:`spmdkit.strategies.context.hf_pipeline_refusal`)."""
+    pipelines in microbatches and its sequence (the inputs' second axis: cp tried from
+    :data:`LONG_SEQ`, a pipeline's microbatch traced in the cp ranks' token order as a flat plan's step)."""
     shapes = [prog.tensors[n].shape for n in data_inputs(prog) if prog.tensors[n].shape]
     batch = shapes[0][0] if shapes else None
     seq = shapes[0][1] if reloads and shapes and len(shapes[0]) > 1 else None
-    return _Sizes(batch, tokens, None, layers or None, reloads, experts=experts, seq=seq, no_cp_pipeline=reloads)
+    return _Sizes(batch, tokens, None, layers or None, reloads, experts=experts, seq=seq)
 
 
 def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
@@ -330,10 +328,6 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
             if batch is not None and batch % ranks:
                 continue
             m = (batch // ranks) if (pp > 1 and batch and sizes.microbatches) else 1
-            if pp > 1 and cp > 1 and sizes.no_cp_pipeline:
-                cfg = Config(dp, tp, pp, "*", "none", m, ep, cp)
-                refused.append((cfg, hf_pipeline_refusal(cfg.mesh_text)))
-                continue
             steps = [(m, 1)] if sizes.micro is None or batch is None else _micro_steps(batch, ranks, pp, sizes.micro)
             if not steps:
                 refused.append((Config(dp, tp, pp, "*", "none", m, ep, cp), f"--micro-batch {sizes.micro} x "

@@ -387,16 +387,19 @@ def verify_pipeline_hf(class_name: str, config: Any, mesh_text: str, spec: Pipel
         warnings.simplefilter("ignore", UserWarning)
         prog, _m, _kw, plan = plan_hf(class_name, tiny, sub, strategy, "float32", b, seq, None, patterns,
                                       fallback=fallback)
+        # the whole batch in the stages' token order (a cp sub-mesh: traced for it, as the flat --verify's
+        # program is; then every source the two share, its constants' names included, means the same)
         whole_prog, _m2, _kw2, whole = plan_hf(class_name, tiny, "dp=1", "dp", "float32", b * n_mb, seq,
-                                               fallback=fallback)
+                                               fallback=fallback, cp_layout=(sub, strategy or "megatron"))
     stages = op_stages(prog, counts)
     phases = [op.phase for op in prog.ops]
     fw = [s for s, ph in zip(stages, phases) if ph == "forward"]
     bw = [s for s, ph in zip(stages, phases) if ph == "backward"]
     ordered = fw == sorted(fw) and bw == sorted(bw, reverse=True) and set(fw) == set(range(n))
     vals = source_values(whole_prog, 0)
-    if "labels" in vals:  # no ignored index: every microbatch counts b x its tokens
-        vals["labels"] = _all_counted(vals["labels"])
+    for k in ("labels", "shift_labels"):  # no ignored index: every microbatch counts b x its tokens (cp's
+        if k in vals:  # loss reads the labels shifted before the permutation: models/hf_cp.py)
+            vals[k] = _all_counted(vals[k])
     ref = simulate_plan(whole, values=vals)
     batched = {k for k, (kind, _) in getattr(whole_prog, "sources", {}).items()
                if kind == "input" and whole_prog.tensors[k].shape[:1] == (b * n_mb,)}

@@ -277,15 +277,6 @@ def hf_cp(mesh: ProcessMesh, strategy: Iterable[str], seq: int | None = None) ->
     return (n, variant, balance)
 
 
-def hf_pipeline_refusal(mesh_text: str) -> str:
-    """Why an ``--hf`` model is not planned in a pipeline with cp (``--mesh pp=..,cp=..``, and the
-    ``--devices`` search's pp x cp configurations of one): the stages are imported without cp's
-    token order (imported with it, the pipeline's --verify gives NaN losses)."""
-    return (f"--mesh {mesh_text}: context parallelism of an --hf model in a pipeline is not built (the stages are "
-            f"imported without cp's token order); plan it without pp, or plan a catalog / --model-config model "
-            f"with pp and cp")
-
-
 def hf_cp_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], data: Iterable[str], batch: Any,
                 tp: int | None) -> Any:
     """``cp_marks`` of an imported program (``import_hf(cp=...)``: its attention ``cp_attention``,
@@ -324,4 +315,4 @@ def hf_cp_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], data: Itera
     return cp
 
 
-__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "data_dims", "hf_cp", "hf_cp_marks", "hf_pipeline_refusal", "moe_chunks", "options", "parse_option", "seq_dims", "seq_entry", "zero_dims"]
+__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "data_dims", "hf_cp", "hf_cp_marks", "moe_chunks", "options", "parse_option", "seq_dims", "seq_entry", "zero_dims"]
