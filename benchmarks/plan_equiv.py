@@ -13,7 +13,9 @@ long-lived process: a memo keyed too loosely shows up as a difference), with ``-
 ``OUT_DIR/NN.json`` or ``NN.txt``. A command whose argv holds :data:`HTML` writes its ``--html``
 page to ``OUT_DIR/NN.html`` (run from OUT_DIR, so the page's command line is the same in every
 snapshot); it is compared byte for byte, but for the wall-clock figures. Wall-clock figures are
-blanked (``plan_seconds``, "planned in X s", "solved in X s"). ``compare`` prints the commands
+blanked (``plan_seconds``, "planned in X s", "solved in X s"). Every command is meant to plan:
+``snapshot`` exits 1 naming those that did not (a refusal would compare only its message; three
+pipeline commands had become refusals of their batch unnoticed). ``compare`` prints the commands
 whose outputs differ and exits 1 if any does. The ``--hf`` commands need torch and transformers
 (the imports of tiny configs: dense, GPT-2's fused projection, MoE routed whole and in tp chunks,
 expert parallel, context parallel). Standard library only (but for what ``--hf`` imports).
@@ -72,16 +74,16 @@ COMMANDS: list[tuple[str, list[str]]] = [
     ("405b pp16 dp8 tp8", ["--model", "llama3.1-405b", "--mesh", "pp=16,dp=8,tp=8", "--strategy", "megatron", *_H]),
     ("deepseek-v3 dp8 tp8", ["--model", "deepseek-v3", "--mesh", "dp=8,tp=8", "--strategy", "megatron", *_H]),
     ("deepseek-v2-lite pp2 sp", ["--model", "deepseek-v2-lite", "--mesh", "pp=2,dp=2,tp=4",
-                                 "--strategy", "megatron,sp,zero1", "--microbatches", "4", *_H]),
+                                 "--strategy", "megatron,sp,zero1", "--microbatches", "4", "--batch", "8", *_H]),
     ("mixtral-8x7b dp4 tp8 recompute full", ["--model", "mixtral-8x7b", "--mesh", "dp=4,tp=8", "--strategy",
                                              "megatron,sp", "--recompute", "full", *_H]),
     ("qwen3-30b-a3b pp4", ["--model", "qwen3-30b-a3b", "--mesh", "pp=4,dp=2,tp=4", "--strategy", "megatron",
-                           "--schedule", "interleaved", "--microbatches", "8", "--layers", "16", *_H]),
+                           "--schedule", "interleaved", "--microbatches", "8", "--batch", "16", "--layers", "16", *_H]),
     ("bloom-176b gemma2 style dp tp", ["--model", "bloom-176b", "--layers", "4", "--mesh", "dp=2,tp=8",
                                        "--strategy", "megatron", *_H]),
     ("gemma2-9b tp2", ["--model", "gemma2-9b", "--mesh", "dp=4,tp=2", "--strategy", "megatron", *_H]),
     ("gpt3-175b pp8 gpipe", ["--model", "gpt3-175b", "--mesh", "pp=8,dp=4,tp=8", "--strategy", "megatron",
-                             "--schedule", "gpipe", "--microbatches", "16", *_H]),
+                             "--schedule", "gpipe", "--microbatches", "16", "--batch", "64", *_H]),
     ("hf tiny llama", ["--hf", "LlamaForCausalLM", "--hf-config", _TINY, "--mesh", "dp=2,tp=2",
                        "--strategy", "megatron", *_H]),
     ("hf tiny llama pp2", ["--hf", "LlamaForCausalLM", "--hf-config", _TINY, "--mesh", "pp=2,tp=2",
@@ -132,6 +134,7 @@ def snapshot(out_dir: Path, tree: Path, only: str | None) -> int:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     k = 0
+    refused: list[str] = []
     for label, argv in COMMANDS:
         for as_json in (True, False):
             k += 1
@@ -152,6 +155,11 @@ def snapshot(out_dir: Path, tree: Path, only: str | None) -> int:
                 f"# {label}: plan {' '.join(args)}{' --json' if as_json else ''} -> exit {rc}\n{text}"
                 f"# stderr\n{_normal(err.getvalue())}")
             print(f"{k:02d} exit {rc} {label}{' --json' if as_json else ''}", flush=True)
+            if rc:
+                refused.append(f"{k:02d} {label}")
+    if refused:  # every command is meant to plan: a refusal compares only its message
+        print(f"{len(refused)} commands did not plan (exit != 0): {', '.join(refused)}", file=sys.stderr)
+        return 1
     return 0
 
 
