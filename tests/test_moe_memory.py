@@ -60,7 +60,7 @@ def test_one_moe_layer_keeps_what_megatron_keeps_by_hand() -> None:
         "dispatch.weights": tok * K * 2,  # the chosen gate values
         "dispatch.index": tok * K * 8,  # top-k's indices (int64, as torch.topk returns them)
         "dispatch.expert": tok * K * 8,
-        "dispatch.index.t": tok * K * 8,
+        "dispatch.index.t": 0,  # a transpose of dispatch.index: its storage (memory_saved.shared_storage)
         "experts.gate": recv * F * 2,  # fc1's output: SwiGLU's input
         "experts.up": recv * F * 2,
         "experts.swiglu": recv * F * 2,  # fc2's input

@@ -447,7 +447,9 @@ def test_deepseek_v3s_full_k_relaxation_needs_the_planned_k() -> None:
         return split_levels(left, 8, 2, 120, len(per), min(per), GROW * f.layer_kept["none"], len(dense), min(dense),
                             GROW * f.kept["none"], k, GROW * f.layer_kept["full"], flights, GROW * f.full_peak)
 
-    assert levels(1) == () and levels(2) == () and levels(3)
+    # K = 2 passes the relaxation since a view is counted once (memory_saved.shared_storage: each
+    # layer's attention output once, not twice), within its slack: the plan still needs K = 3 (below)
+    assert levels(1) == () and levels(2) and levels(3)
     low = floor.blocks_step(cfg)
     got = {c.config.recompute: c for c in config_candidates("deepseek-v3", cfg, "h800", V3)}
     assert "full:3" in got and got["full:3"].fits

@@ -221,10 +221,9 @@ def test_memory_counts_the_new_parameters_and_the_expert_activations() -> None:
     n = sum(t.numel for t in model.program.tensors.values() if t.kind == "parameter" and not t.inplace_of)
     mem = memory_per_device(plan)
     assert mem.parameters == 4 * n and mem.gradients == 4 * n
-    dense = memory_per_device(plan_model("tiny-llama", "dp=1", "dp")[1])
-    assert mem.activation_peak > dense.activation_peak
-    kept = {n for ts in mem.saved.tensors.values() for n, _ in ts}
-    assert {"layers.0.dispatch", "layers.1.dispatch"} <= kept  # the backward of the experts reads them
+    kept = {n: b for ts in mem.saved.tensors.values() for n, b in ts}
+    # the backward of the experts reads them: [batch 4, 4 experts, capacity 4, hidden 16] in fp32 each
+    assert kept["layers.0.dispatch"] == kept["layers.1.dispatch"] == 4 * 4 * 4 * 16 * 4
 
 
 def test_batched_dispatch_is_each_sequence_on_its_own() -> None:

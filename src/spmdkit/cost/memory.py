@@ -32,6 +32,7 @@ What the backward keeps of the forward and the regions it runs again (``recomput
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,7 @@ from spmdkit.cost.memory_saved import (
     recompute_inputs,
     rerun_points,
     saved_activations,
+    shared_storage,
     spans_with_recompute,
     value_inputs,
 )
@@ -316,13 +318,29 @@ def _transient_uses(prog: Program) -> list[tuple[str, ...]]:
     return [tuple(n for n in (*op.output_names(), *vin[i]) if n not in held) for i, op in enumerate(prog.ops)]
 
 
+def _merge_views(uses: dict[tuple[int, str], list[int]], views: dict[str, str], split: Collection[str],
+                 nbytes: Callable[[str], int]) -> None:
+    """A view lives in its base's storage (``views``:
+    :func:`~spmdkit.cost.memory_saved.shared_storage`): in each group, its first and last use
+    join its base's and it is not counted again (not where either's life is split, ``split``)."""
+    for (g, n), span in list(uses.items()):
+        base = views.get(n)
+        if base is None or n in split or base in split:
+            continue
+        life = uses.get((g, base))
+        if life is not None and nbytes(n) == nbytes(base):
+            life[0], life[1] = min(life[0], span[0]), max(life[1], span[1])
+            del uses[(g, n)]
+
+
 def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] | None = None,
                       groups: int = 1) -> list[dict[int, int]]:
     """Per group of ops (a pipeline stage; one group: the whole step), op index -> the change
     of the live transient bytes there (a tensor starts counting at the op that makes it and
     stops after the last op of the group that reads its values; recomputation, re-gathers and
     fp8 stashes split that life: :func:`spans_with_recompute`). A tensor several groups use is
-    counted in each, from its first to its last use there (a stage holds what it received).
+    counted in each, from its first to its last use there (a stage holds what it received); a
+    view is its base's storage, living from the first to the last use of either (:func:`_merge_views`).
     Copies made by reshards live from the first op that reads them to the last (the K / V an
     allgather cp attention gathers: in each pass alone, gathered again for its grad,
     :func:`spmdkit.cost.context.regathers`); an annotated output's own copy, resharded after its
@@ -364,6 +382,7 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
         if u is not None:
             u[1] = max(u[1], at)
     split = spans_with_recompute(plan, saved)
+    _merge_views(uses, shared_storage(plan), split, nbytes)
     deltas: list[dict[int, int]] = [{} for _ in range(groups)]
 
     def add(g: int, a: int, e: int, size: int) -> None:

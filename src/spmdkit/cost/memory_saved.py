@@ -222,6 +222,62 @@ def recompute_regions(prog: Program, mode: str, framework: str = "megatron") -> 
     return regions
 
 
+#: the view ops (ops/view.py): torch's ``reshape`` / ``view`` / ``flatten`` of a contiguous
+#: tensor, its ``squeeze`` / ``unsqueeze``, return a view of its storage, no copy
+VIEW_RULES = frozenset({"reshape", "reshape2", "flatten", "squeeze", "unsqueeze", "unsqueeze2"})
+#: ops whose output is a strided view of part of their input: a reshape of it copies
+STRIDED_RULES = frozenset({"slice", "strided_slice", "split", "split_with_num", "unbind", "expand", "expand_as"})
+
+
+def shared_storage(plan: Plan) -> dict[str, str]:
+    """Forward tensor made by a view of another (a :data:`VIEW_RULES` op, or a ``transpose``)
+    -> the tensor whose storage it is, the first of its chain of views, as torch allocates
+    them: ``transpose`` is always a view (strides swapped); ``squeeze`` / ``unsqueeze`` too;
+    ``reshape`` / ``flatten`` are a view of a tensor laid out contiguously (its transposes
+    undone: HF's ``attn_output.transpose(1, 2)`` of SDPA's transposed flash output) and a copy
+    of one that is not, or of a :data:`STRIDED_RULES` op's output (a new storage, the first of
+    its own chain). Not where the plan copies the view's input for it (a reshard there that
+    moves bytes or changes its local size) or where the view's local bytes are not the
+    input's. A view is no new memory: torch frees a storage when its last view dies
+    (docs/devices.md, "Memory": the attention output, which the flash kernel's backward and
+    the output projection's both keep, is one storage)."""
+    prog = plan.program
+    copied: set[tuple[int, str]] = set()
+    for r in plan.reshards:
+        shape = prog.tensors[r.tensor].shape
+        if not r.output and (r.plan.bytes_per_rank or any(s.bytes_per_rank for s in r.plan.steps)
+                             or local_numel(r.src, shape) != local_numel(r.dst, shape)):
+            copied.add((r.op_index, r.tensor))
+    made_by: dict[str, str] = {}
+    out: dict[str, str] = {}
+    order: dict[str, tuple[int, ...] | None] = {}  # a view -> its dims' order in its storage (None: not known)
+    for i, op in enumerate(prog.ops):
+        outs = op.output_names()
+        for n in outs:
+            made_by.setdefault(n, op.rule)
+        x = op.inputs.get("x")
+        if op.phase != "forward" or (op.rule not in VIEW_RULES and op.rule != "transpose") or \
+                not isinstance(x, str) or len(outs) != 1:
+            continue
+        y = outs[0]
+        tx, ty = prog.tensors[x], prog.tensors[y]
+        if (i, x) in copied or tx.kind != "activation" or tx.itemsize != ty.itemsize or x not in plan.attrs or \
+                y not in plan.attrs or local_numel(plan.attrs[x], tx.shape) != local_numel(plan.attrs[y], ty.shape):
+            continue
+        have = order.get(x, tuple(range(len(tx.shape))))
+        if op.rule == "transpose":
+            perm = tuple(op.attrs.get("perm", ()))
+            order[y] = tuple(have[k] for k in perm) if have is not None and len(perm) == len(have) else None
+        elif have == tuple(range(len(tx.shape))) and made_by.get(out.get(x, x)) not in STRIDED_RULES:
+            order[y] = tuple(range(len(ty.shape)))
+        elif op.rule in ("squeeze", "unsqueeze", "unsqueeze2"):
+            order[y] = None
+        else:
+            continue  # a reshape of a tensor not laid out contiguously: a copy
+        out[y] = out.get(x, x)
+    return out
+
+
 @dataclass
 class ActivationMemory:
     """Activations kept for the backward, bytes per device. ``per_layer``: layer label ->
@@ -229,7 +285,8 @@ class ActivationMemory:
     again in the backward (regions, op indices); ``regathered``: tensors kept as their
     producer's shard and all-gathered again for the backward (tensor, index of the output
     reshard that gathered them in the forward); ``layers``: the layers recomputed under ``full:K``
-    and ``every:N``."""
+    and ``every:N``; ``shared``: a kept view -> the kept tensor whose storage it is
+    (:func:`shared_storage`; the view listed at 0 bytes in ``tensors``)."""
 
     recompute: str
     per_layer: dict[str, int]
@@ -237,6 +294,7 @@ class ActivationMemory:
     recomputed: list[list[int]] = field(default_factory=list)
     regathered: list[tuple[str, int]] = field(default_factory=list)
     layers: list[str] = field(default_factory=list)
+    shared: dict[str, str] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -343,6 +401,9 @@ def saved_activations(plan: Plan, recompute: str = "none", only: Collection[str]
     tensors: dict[str, list[tuple[str, int]]] = {}
     regathered: list[tuple[str, int]] = []
     order = {n: k for k, n in enumerate(prog.tensors)}
+    views = shared_storage(plan)
+    first: dict[str, tuple[int, str, str]] = {}  # a storage -> (bytes, layer, name) of its first kept tensor
+    shared: dict[str, str] = {}
     for n in sorted(kept, key=order.__getitem__):
         t = prog.tensors[n]
         attr = plan.attrs[n]
@@ -354,10 +415,17 @@ def saved_activations(plan: Plan, recompute: str = "none", only: Collection[str]
                 regathered.append((n, g[0]))
         b = round(local_numel(attr, t.shape) * (1 if n in fp8 else t.itemsize) * load.get(n, 1.0))
         label = layer_of[n]
+        root = views.get(n, n)
+        got = first.get(root)
+        if got is not None and got[:2] == (b, label):
+            b = 0  # the storage of a tensor kept before it, in the same layer (shared_storage): counted there
+            shared[n] = got[2]
+        else:
+            first.setdefault(root, (b, label, n))
         per_layer[label] = per_layer.get(label, 0) + b
         tensors.setdefault(label, []).append((n, b))
     layers = [prog.ops[r[0]].layer for r in regions] if recompute_layers(recompute) or recompute_every(recompute) else []
-    return ActivationMemory(recompute, per_layer, tensors, regions, regathered, layers)
+    return ActivationMemory(recompute, per_layer, tensors, regions, regathered, layers, shared)
 
 
 def recompute_inputs(plan: Plan, saved: ActivationMemory) -> dict[str, int]:

@@ -49,8 +49,10 @@ def weight_stash(plan: Plan, stages: list[int], n: int, saved: ActivationMemory,
             if (nm, s) in seen or t.kind == "parameter":
                 continue
             if nm in size:
-                seen.add((nm, s))
-                out[s] += size[nm]
+                nm = saved.shared.get(nm, nm)  # a view kept at 0 bytes: its storage's (memory_saved.shared_storage)
+                if (nm, s) not in seen:
+                    seen.add((nm, s))
+                    out[s] += size[nm]
             elif t.kind == "gradient":
                 seen.add((nm, s))
                 out[s] += nbytes(nm)
