@@ -277,13 +277,12 @@ def test_llama_405b_plans_on_1024_ranks_in_16_uneven_stages(capsys: pytest.Captu
 
 def test_catalog_batch_follows_dp_unless_given(capsys: pytest.CaptureFixture[str]) -> None:
     """A catalog model's batch is rounded up to whole sequences per dp rank; --batch is kept
-    as given (3 on dp=2 is uneven, and said so); a preset keeps its own batch."""
+    as given (3 on dp=2 is refused: each rank whole sequences); a preset keeps its own batch."""
     assert main(["plan", "--model", "llama3-8b", "--layers", "1", "--seq", "256", "--mesh", "dp=4,tp=2"]) == 0
     assert "seq 256, batch 4, bfloat16" in capsys.readouterr().out
     assert main(["plan", "--model", "llama3-8b", "--layers", "1", "--seq", "256", "--batch", "3",
-                 "--mesh", "dp=2,tp=2"]) == 0
-    out = capsys.readouterr().out
-    assert "batch 3, bfloat16" in out and "uneven shards" in out
+                 "--mesh", "dp=2,tp=2"]) == 2
+    assert "--batch 3: data parallel over --mesh dp=2 needs a batch that is a multiple of 2" in capsys.readouterr().err
     assert main(["plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2"]) == 0
     assert "batch 4, float32" in capsys.readouterr().out
 

@@ -194,11 +194,35 @@ def main_json(capsys: pytest.CaptureFixture[str], mesh: str) -> str:
     return out
 
 
-def test_uneven_dp_batch_is_stated(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = plan(capsys, *TINY, "--mesh", "dp=3", "--strategy", "dp", "--batch", "8", "--json")
-    assert rc == 0, err
-    un = {(u["tensor"], u["axis"]): u for u in json.loads(out)["uneven_shards"]}
-    assert (8, 3, 3, 2) == tuple(un[("tokens", 0)][k] for k in ("size", "parts", "largest", "smallest"))
+def test_a_batch_dp_does_not_divide_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each data-parallel rank takes whole sequences, as Megatron-LM asserts (global batch a
+    multiple of micro-batch x dp) and torchtitan defines (a batch per dp rank): 8 sequences over
+    dp=3, or the one of llama-7b over dp=2 (planned before with half the dp ranks given no
+    sample and a warning), are refused naming --batch and --mesh's dp; a pipeline's microbatch
+    too, saying which --microbatches or --batch would divide."""
+    assert_refused(capsys, [*TINY, "--mesh", "dp=3", "--strategy", "dp", "--batch", "8", "--json"],
+                   "--batch 8: data parallel over --mesh dp=3 needs a batch that is a multiple of 3 (each rank "
+                   "whole sequences)")
+    assert_refused(capsys, ["--model", "llama-7b", "--layers", "1", "--seq", "256", "--batch", "1", "--mesh",
+                            "dp=2,tp=4", "--strategy", "dp,megatron"],
+                   "--batch 1: data parallel over --mesh dp=2 needs a batch that is a multiple of 2")
+    assert_refused(capsys, ["--model", "llama-7b", "--layers", "2", "--seq", "256", "--mesh", "pp=2,dp=2,tp=2",
+                            "--batch", "16", "--microbatches", "16"],
+                   "--batch 1: data parallel over --mesh dp=2 needs a batch that is a multiple of 2 (each rank whole "
+                   "sequences) (a microbatch: --batch 16 over --microbatches 16; whole sequences per rank: "
+                   "--microbatches 8 or --batch 32)")
+    # the model's own batch where --batch is not given: said so, and a pipeline's suggestion is --batch alone
+    # (without it each microbatch is the model's batch, whatever --microbatches)
+    assert_refused(capsys, ["--model", "llama-7b", "--layers", "1", "--seq", "256", "--mesh", "dp=16",
+                            "--strategy", "zero3"],
+                   "--batch 8: data parallel over --mesh dp=16 needs a batch that is a multiple of 16 (each rank whole "
+                   "sequences); --batch not given: the model's own batch is 8")
+    assert_refused(capsys, ["--model", "llama-7b", "--layers", "2", "--seq", "256", "--mesh", "pp=2,dp=16",
+                            "--strategy", "zero1", "--microbatches", "4"],
+                   "(a microbatch: --batch not given: each of the 4 microbatches the model's own batch; whole "
+                   "sequences per rank: --batch 64)")
+    rc, out, err = plan(capsys, *TINY, "--mesh", "dp=2", "--strategy", "dp", "--batch", "8", "--json")
+    assert rc == 0 and json.loads(out)["uneven_shards"] == [], err
 
 
 def test_subprocess_has_no_traceback() -> None:
