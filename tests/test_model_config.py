@@ -124,8 +124,8 @@ def test_runtime_reaches_the_plan(capsys: pytest.CaptureFixture[str], monkeypatc
         return real(plan, *a, **k)
 
     monkeypatch.setattr(common, "estimate_step", spy)
-    _plan_json(capsys, "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--device", "h100", "--precision", "bf16",
-               "--framework", "torchtitan", "--tp-comm-overlap")
+    _plan_json(capsys, "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--strategy", "megatron,sp", "--device", "h100",
+               "--precision", "bf16", "--framework", "torchtitan", "--tp-comm-overlap")
     assert seen == [Runtime("bf16", "torchtitan", True)]
 
 

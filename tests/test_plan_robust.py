@@ -225,6 +225,23 @@ def test_a_batch_dp_does_not_divide_is_refused(capsys: pytest.CaptureFixture[str
     assert rc == 0 and json.loads(out)["uneven_shards"] == [], err
 
 
+def test_tp_comm_overlap_without_sequence_parallelism_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp-comm-overlap overlaps sp's all-gathers and reduce-scatters; plain megatron over tp=4 has
+    none, and it was accepted and ignored (the same step as without it). Megatron-LM asserts
+    sequence parallelism with it (megatron/training/arguments.py): refused, naming both flags; with
+    sp it plans, and at tp=1 (Megatron's own H100 table sets it on every run) it is no error."""
+    base = ["--model", "llama-7b", "--layers", "1", "--seq", "256", "--device", "h100", "--tp-comm-overlap"]
+    for strategy in ([], ["--strategy", "megatron"], ["--strategy", "dp,megatron,zero1"]):
+        assert_refused(capsys, [*base, "--mesh", "dp=2,tp=4", *strategy],
+                       "--tp-comm-overlap: overlaps sequence parallelism's all-gathers and reduce-scatters with the "
+                       "GEMMs; --strategy ")
+    assert "add sp, --strategy megatron,sp" in assert_refused(capsys, [*base, "--mesh", "pp=2,dp=2,tp=2"],
+                                                              "over tp=2 has none")
+    for mesh, strategy in (("dp=2,tp=4", "megatron,sp"), ("dp=8", "dp,zero1"), ("dp=8,tp=1", "dp,megatron")):
+        rc, _, err = plan(capsys, *base, "--mesh", mesh, "--strategy", strategy)
+        assert rc == 0, err
+
+
 def test_subprocess_has_no_traceback() -> None:
     for argv in (["--mesh", "dp=100000,tp=100000"], ["--cost", "tp=5us/0GB"], ["--batch", "1e20"]):
         p = subprocess.run([sys.executable, "-m", "spmdkit", "plan", *TINY, *argv], capture_output=True,
