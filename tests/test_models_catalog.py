@@ -287,6 +287,23 @@ def test_catalog_batch_follows_dp_unless_given(capsys: pytest.CaptureFixture[str
     assert "batch 4, float32" in capsys.readouterr().out
 
 
+def test_catalog_pipeline_without_batch_has_one_sequence_a_dp_rank_a_microbatch(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A pipeline of a catalog model without --batch: each of --microbatches M is one sequence a dp
+    rank (as a preset's microbatch is its batch), so the step is dp x M sequences. It was refused:
+    the batch rounded to dp (2) was taken as the whole step's and '--microbatches 4: does not divide
+    the batch 2' named a batch the user never gave."""
+    argv = ["plan", "--model", "llama3-8b", "--layers", "2", "--seq", "256", "--mesh", "pp=2,dp=2,tp=2",
+            "--strategy", "megatron,sp"]
+    assert main([*argv, "--microbatches", "4"]) == 0
+    assert "batch 8 as 4 microbatches of 2, bfloat16" in capsys.readouterr().out
+    assert main(argv) == 0  # one microbatch (the default): as before
+    assert "batch 2 as 1 microbatches of 2, bfloat16" in capsys.readouterr().out
+    assert main([*argv, "--microbatches", "4", "--batch", "4"]) == 2  # a --batch given is the step's, as before
+    assert "(a microbatch: --batch 4 over --microbatches 4; whole sequences per rank: --microbatches 2 or --batch 8)" \
+        in capsys.readouterr().err
+
+
 def test_devices_search_of_a_catalog_model_tries_every_dp(capsys: pytest.CaptureFixture[str]) -> None:
     """--devices N without --batch: a catalog model's batch is N whole sequences, so dp up to N
     divides it (with its entry's batch of 1 the search could only try dp=1)."""
