@@ -242,6 +242,26 @@ def test_tp_comm_overlap_without_sequence_parallelism_is_refused(capsys: pytest.
         assert rc == 0, err
 
 
+def test_moe_flags_on_a_model_without_experts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--moe-skew / --moe-histogram / --moe-dispatcher / --moe-routing on a dense model were accepted
+    and changed nothing (as --ep-comm-overlap, they describe a router and its token exchange):
+    refused naming the flag, flat, in a pipeline and under --auto; an MoE model takes them."""
+    dense = ["--model", "llama-7b", "--layers", "2", "--seq", "256", "--device", "h100"]
+    for flags, names in ((["--moe-skew", "2"], "--moe-skew 2: "), (["--moe-histogram", "[1,2]"], "--moe-histogram: "),
+                         (["--moe-dispatcher", "deepep", "--moe-routing", "balanced"],
+                          "--moe-dispatcher deepep / --moe-routing balanced: ")):
+        line = assert_refused(capsys, [*dense, "--mesh", "dp=8", "--strategy", "dp", *flags], names)
+        assert "the model has no MoE layer (no moe_gate_dispatch op)" in line
+    assert_refused(capsys, [*dense, "--mesh", "pp=2,dp=4", "--strategy", "dp", "--moe-skew", "aux-loss"],
+                   "--moe-skew 1.52: describes a mixture-of-experts router")
+    assert_refused(capsys, [*TINY, "--mesh", "dp=2", "--auto", "--moe-skew", "2"], "the model has no MoE layer")
+    assert_refused(capsys, ["--model-config", '{"base": "tiny-llama"}', "--devices", "4", "--moe-routing", "balanced"],
+                   "--moe-routing balanced: describes a mixture-of-experts router")  # before the search
+    rc, _, err = plan(capsys, "--model", "mixtral-8x7b", "--layers", "1", "--seq", "256", "--mesh", "dp=8,ep=8",
+                      "--strategy", "dp,ep", "--device", "h100", "--moe-skew", "2")
+    assert rc == 0, err
+
+
 def test_subprocess_has_no_traceback() -> None:
     for argv in (["--mesh", "dp=100000,tp=100000"], ["--cost", "tp=5us/0GB"], ["--batch", "1e20"]):
         p = subprocess.run([sys.executable, "-m", "spmdkit", "plan", *TINY, *argv], capture_output=True,

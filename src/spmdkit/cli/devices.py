@@ -14,7 +14,14 @@ from typing import Any, TextIO
 
 from spmdkit.cli.batch import global_batch
 from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
-from spmdkit.cli.common import auto_time_limit, catalog_batch, export_plan_file, require_simulator, write_html
+from spmdkit.cli.common import (
+    auto_time_limit,
+    catalog_batch,
+    check_moe_flags,
+    export_plan_file,
+    require_simulator,
+    write_html,
+)
 from spmdkit.cli.request import PlanRequest
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.models.source import load
@@ -32,6 +39,7 @@ from spmdkit.planner.search import SearchResult, search_meshes
 from spmdkit.planner.search_config import Candidate
 from spmdkit.planner.search_space import CpTrace
 from spmdkit.program.ir import Program
+from spmdkit.strategies.experts import moe_layers
 from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh
 
 
@@ -66,6 +74,8 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
         model, what = loaded.program, loaded.title
     else:
         model, what = m.model, model_label(m.model)
+    check_moe_flags(req.links.runtime(), bool(moe_layers(model)) if isinstance(model, Program) else
+                    bool(preset(model).experts))  # before the search
     patterns = parse_tp_plan(m.tp_plan)
     with Progress(f"plan --devices {n}", lines=True) as bar:  # a line on a terminal's stderr, a line a phase on a pipe
         res = search_meshes(model, n, req.links.device or "h100", req.search.memory, auto=req.search.auto,
