@@ -262,6 +262,17 @@ def test_moe_flags_on_a_model_without_experts_are_refused(capsys: pytest.Capture
     assert rc == 0, err
 
 
+def test_the_default_strategy_is_named_when_the_mesh_has_no_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    """--mesh dp=2 without --strategy was refused as '--strategy megatron: the mesh has no 'tp' dim', a
+    flag the user never gave: the line says it is the default and what to give; a --strategy the
+    user typed is named as it was."""
+    line = assert_refused(capsys, [*TINY, "--mesh", "dp=2"], "--strategy megatron: the mesh has no 'tp' dim")
+    assert line.endswith("; --strategy not given: the default is megatron (give one for a mesh without tp, e.g. "
+                         "--strategy dp)")
+    assert_refused(capsys, [*TINY, "--mesh", "pp=2,dp=2"], "--strategy not given: the default is megatron")  # a pipeline
+    assert "not given" not in assert_refused(capsys, [*TINY, "--mesh", "dp=2", "--strategy", "megatron"], "no 'tp' dim")
+
+
 def test_subprocess_has_no_traceback() -> None:
     for argv in (["--mesh", "dp=100000,tp=100000"], ["--cost", "tp=5us/0GB"], ["--batch", "1e20"]):
         p = subprocess.run([sys.executable, "-m", "spmdkit", "plan", *TINY, *argv], capture_output=True,

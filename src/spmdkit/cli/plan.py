@@ -85,6 +85,8 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
                 return _plan_one(resolve_mesh_batch(req), fout)  # --global-batch / --micro-batch resolved
     except SpmdError as exc:
         msg = " ".join(str(exc).split())
+        if req.strategy is None and msg.startswith("--strategy megatron: the mesh has no 'tp' dim"):
+            msg += "; --strategy not given: the default is megatron (give one for a mesh without tp, e.g. --strategy dp)"
         if len(msg) > 500:
             msg = msg[:500] + "..."
         print(f"spmdkit plan: {type(exc).__name__}: {msg}", file=sys.stderr)
