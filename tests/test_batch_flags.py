@@ -41,6 +41,17 @@ def test_global_batch_on_a_pipeline_is_its_microbatches() -> None:
     assert json.loads(out)["pipeline"]["microbatches"] == 8  # one sequence per rank a microbatch
 
 
+def test_grad_accum_on_a_pipeline_is_refused() -> None:
+    """A pipeline accumulates over its microbatches: --grad-accum 4 there was warned of ('a step trains
+    4 x 4 = 16 sequences') and then planned as one step of --batch 4 (the same step time, 4 sequences'
+    tokens): refused in one line naming it and what to give, the warning not printed."""
+    for pipe in (("--mesh", "pp=2,dp=2"), ("--mesh", "dp=2", "--microbatches", "2")):
+        rc, out, err = _cli(*BASE, *pipe, "--strategy", "dp", "--batch", "4", "--grad-accum", "4")
+        assert rc == 2 and out == "" and err.strip().splitlines() == [
+            "spmdkit plan: ProgramError: --grad-accum 4: a pipeline accumulates the gradients over its --microbatches "
+            "(give --microbatches M, or --global-batch and --micro-batch)"], err
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (("--global-batch", "60", "--micro-batch", "2"),
      "--global-batch 60: not a multiple of --micro-batch 2 x the 8 data-parallel ranks (= 16) of --mesh dp=8"),
