@@ -76,6 +76,11 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
                                    "--devices search does not choose it")
             if runtime.tp_comm_overlap and not devices and not req.search.auto:
                 _check_tp_comm_overlap(req)
+            for flag, given in (("--no-p2p-overlap", not runtime.p2p_overlap),
+                                ("--pp-scatter-gather", runtime.pp_scatter_gather)):
+                if given and not devices and not wants_pipeline(req):  # (accepted before, and changed nothing)
+                    raise ProgramError(f"{flag}: applies to a pipeline's stage-to-stage sends; --mesh "
+                                       f"{req.mesh_text} has no pp dim")
             if req.outputs.recipe is not None and not devices:
                 raise ProgramError("--export-recipe: applies to --devices (the search's best recipe); give --devices N")
             width = None if req.outputs.json else terminal_width(out, req.outputs.wide)
