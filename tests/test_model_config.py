@@ -97,7 +97,7 @@ def test_a_tied_pipeline_simulates_equal(capsys: pytest.CaptureFixture[str]) -> 
     (["--model-config", '{"base": "tiny-llama", "layerz": 3}'], "unknown field 'layerz'"),
     (["--model-config", '{"base": "tiny-llama", "layers": 0}'], "--model-config layers: expected an integer"),
     (["--model-config", '{"base": "tiny-llama", "tied_embeddings": 1}'], "tied_embeddings: expected true or false"),
-    (["--model-config", '{"base": "nope"}'], "--model: no preset 'nope'"),
+    (["--model-config", '{"base": "nope"}'], "--model-config base: no preset 'nope'"),  # (not --model: not given)
     (["--model-config", "missing.json"], "no such file"),
     (["--model-config", "[1]"], "expected a JSON object or a .json file"),
     (["--model-config", "{"], "not valid JSON"),
