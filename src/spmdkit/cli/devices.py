@@ -39,7 +39,9 @@ from spmdkit.planner.search import SearchResult, search_meshes
 from spmdkit.planner.search_config import Candidate
 from spmdkit.planner.search_space import CpTrace
 from spmdkit.program.ir import Program
+from spmdkit.program.layers import layer_tags
 from spmdkit.strategies.experts import moe_layers
+from spmdkit.strategies.hf import data_inputs
 from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh
 
 
@@ -135,14 +137,22 @@ def _global_batch(model: str | Program, batch: int | None, best: Candidate) -> i
 
 
 def _seq_of(model: str | Program, seq: int | None) -> int:
-    if seq is not None or isinstance(model, Program):
-        return seq or 0
+    """``--seq``, else the model's: an --hf or --program model's the second axis of its data
+    inputs (it wrote 0 into the recipe's seq_len / --seq-length), 0 where it has none."""
+    if seq is not None:
+        return seq
+    if isinstance(model, Program):
+        shapes = [model.tensors[n].shape for n in data_inputs(model) if len(model.tensors[n].shape) > 1]
+        return shapes[0][1] if shapes else 0
     return preset(model).seq
 
 
 def _layers_of(model: str | Program, layers: int | None) -> int:
-    if layers is not None or isinstance(model, Program):
-        return layers or 0
+    """``--layers``, else the model's: an --hf or --program model's its layer tags (not 0)."""
+    if layers is not None:
+        return layers
+    if isinstance(model, Program):
+        return len(layer_tags(model))
     return preset(model).layers
 
 
