@@ -103,3 +103,13 @@ def test_devices_without_a_micro_batch_searches_the_micro_batches() -> None:
     one = min((c for c in res.candidates if c.config.dp == 4 and c.config.pp == 1), key=lambda c: c.config.grad_accum)
     more = max((c for c in res.candidates if c.config.dp == 4 and c.config.pp == 1), key=lambda c: c.config.grad_accum)
     assert more.memory < one.memory  # a smaller micro-batch holds fewer activations
+
+
+def test_devices_with_cp_below_the_searched_sequence_says_so() -> None:
+    """--devices 8 --strategy cp at seq 512 planned nothing (the search tries cp from 16,384 tokens)
+    and said 'no configuration of 8 devices: ... 3 more pipeline stages than layers', as if the
+    layers were why: refused before the search, saying where cp is tried and how to plan it."""
+    rc, out, err = _cli(*BASE, "--devices", "8", "--strategy", "dp,cp")
+    assert rc == 2 and out == "" and err.strip() == (
+        "spmdkit plan: ProgramError: --strategy dp,cp: the --devices search tries context parallelism from 16384 "
+        "tokens, and the sequence is 512; plan cp at it on a given mesh (--mesh with a cp dim)")

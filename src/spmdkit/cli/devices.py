@@ -37,12 +37,12 @@ from spmdkit.planner.pipeline_plan import pp_cost_text
 from spmdkit.planner.planning import MAX_SIZE, parse_cost, parse_size
 from spmdkit.planner.search import SearchResult, search_meshes
 from spmdkit.planner.search_config import Candidate
-from spmdkit.planner.search_space import CpTrace
+from spmdkit.planner.search_space import LONG_SEQ, CpTrace
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.strategies.experts import moe_layers
 from spmdkit.strategies.hf import data_inputs
-from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh
+from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh, strategy_items
 
 
 def run_devices(req: PlanRequest, out: TextIO) -> int:
@@ -78,6 +78,11 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
         model, what = m.model, model_label(m.model)
     check_moe_flags(req.links.runtime(), bool(moe_layers(model)) if isinstance(model, Program) else
                     bool(preset(model).experts))  # before the search
+    if "cp" in {s.split("=")[0] for s in strategy_items(req.strategy)} and 0 < (s := _seq_of(model, seq)) < LONG_SEQ:
+        # (the search found nothing to plan, and said only what it refused for other reasons)
+        raise ProgramError(f"--strategy {req.strategy}: the --devices search tries context parallelism from "
+                           f"{LONG_SEQ} tokens, and the sequence is {s}; plan cp at it on a given mesh (--mesh with "
+                           f"a cp dim)")
     patterns = parse_tp_plan(m.tp_plan)
     with Progress(f"plan --devices {n}", lines=True) as bar:  # a line on a terminal's stderr, a line a phase on a pipe
         res = search_meshes(model, n, req.links.device or "h100", req.search.memory, auto=req.search.auto,
