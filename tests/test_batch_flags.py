@@ -41,6 +41,17 @@ def test_global_batch_on_a_pipeline_is_its_microbatches() -> None:
     assert json.loads(out)["pipeline"]["microbatches"] == 8  # one sequence per rank a microbatch
 
 
+def test_grad_accum_on_a_pipeline_is_refused() -> None:
+    """A pipeline accumulates over its microbatches: --grad-accum 4 there was warned of ('a step trains
+    4 x 4 = 16 sequences') and then planned as one step of --batch 4 (the same step time, 4 sequences'
+    tokens): refused in one line naming it and what to give, the warning not printed."""
+    for pipe in (("--mesh", "pp=2,dp=2"), ("--mesh", "dp=2", "--microbatches", "2")):
+        rc, out, err = _cli(*BASE, *pipe, "--strategy", "dp", "--batch", "4", "--grad-accum", "4")
+        assert rc == 2 and out == "" and err.strip().splitlines() == [
+            "spmdkit plan: ProgramError: --grad-accum 4: a pipeline accumulates the gradients over its --microbatches "
+            "(give --microbatches M, or --global-batch and --micro-batch)"], err
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (("--global-batch", "60", "--micro-batch", "2"),
      "--global-batch 60: not a multiple of --micro-batch 2 x the 8 data-parallel ranks (= 16) of --mesh dp=8"),
@@ -92,3 +103,13 @@ def test_devices_without_a_micro_batch_searches_the_micro_batches() -> None:
     one = min((c for c in res.candidates if c.config.dp == 4 and c.config.pp == 1), key=lambda c: c.config.grad_accum)
     more = max((c for c in res.candidates if c.config.dp == 4 and c.config.pp == 1), key=lambda c: c.config.grad_accum)
     assert more.memory < one.memory  # a smaller micro-batch holds fewer activations
+
+
+def test_devices_with_cp_below_the_searched_sequence_says_so() -> None:
+    """--devices 8 --strategy cp at seq 512 planned nothing (the search tries cp from 16,384 tokens)
+    and said 'no configuration of 8 devices: ... 3 more pipeline stages than layers', as if the
+    layers were why: refused before the search, saying where cp is tried and how to plan it."""
+    rc, out, err = _cli(*BASE, "--devices", "8", "--strategy", "dp,cp")
+    assert rc == 2 and out == "" and err.strip() == (
+        "spmdkit plan: ProgramError: --strategy dp,cp: the --devices search tries context parallelism from 16384 "
+        "tokens, and the sequence is 512; plan cp at it on a given mesh (--mesh with a cp dim)")

@@ -8,10 +8,12 @@ from dataclasses import replace
 
 import pytest
 
+from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import time_of
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.context import (
     causal_imbalance,
+    cp_ops,
     kv_block_bytes,
     rank_blocks,
     ring_buffers,
@@ -22,7 +24,7 @@ from spmdkit.cost.devices import cost_model, load_device, recost
 from spmdkit.cost.memory import memory_per_device
 from spmdkit.cost.step import estimate_step
 from spmdkit.outputs.report import write_estimate
-from spmdkit.planner.planning import plan_program
+from spmdkit.planner.planning import plan_model, plan_program
 from spmdkit.program.ir import ProgramBuilder
 from spmdkit.program.plan import Plan
 from spmdkit.program.runtime import Runtime
@@ -166,3 +168,20 @@ def test_ring_buffers_in_memory() -> None:
     # the activations per rank: a 1/cp shard of the sequence (q, o, og), plus the buffers
     m = memory_per_device(plan)
     assert m.activation_peak >= bufs[1]
+
+
+def test_ulysses_plan_is_a_cp_plan_of_its_degree() -> None:
+    """--cp-attention alltoall (DeepSpeed-Ulysses) runs the attention on the heads, q read whole on
+    its sequence; its cp degree is the ranks the sequence came split over (q before its all-to-all),
+    so the step says cp 4 and takes the cp runs' error band as the ring and allgather plans do (it
+    said cp 1 and gave the H100 band of the runs without cp). The costs do not move: alltoall has no
+    ring and no causal imbalance."""
+    dev = load_device("h100")
+    _, plan, _ = plan_model("llama-7b", "dp=2,cp=4", "dp,cp,cp-attention=alltoall",
+                            {"layers": 1, "seq": 1024, "batch": 2})
+    ops = [c for c in cp_ops(plan) if c.variant == "alltoall"]
+    assert len(ops) == 2 and {c.ranks for c in ops} == {4} and {c.dims for c in ops} == {(1,)}
+    est = estimate_step(recost(plan, cost_model(plan.mesh, dev)), dev, 2 * 1024)
+    assert est.cp == 4 and est.cp_imbalance == 1.0
+    assert est.to_json()["error_band"] == error_band(dev.name, cp=True).to_json()  # type: ignore[union-attr]
+    assert error_band(dev.name, cp=True) != error_band(dev.name)

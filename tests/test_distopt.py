@@ -15,9 +15,9 @@ from spmdkit.program.runtime import Runtime
 
 def _buckets(strategy: str, framework: str) -> tuple[set[str], float]:
     dev = preset_device("h100")
-    _, plan, _ = plan_model("llama-7b", "dp=16,tp=8", strategy, {"layers": 2})
+    _, plan, _ = plan_model("llama-7b", "dp=16,tp=8", strategy, {"layers": 2, "batch": 16})  # a sequence a dp rank
     plan = replace(recost(plan, cost_model(plan.mesh, dev)), runtime=Runtime(framework=framework))
-    est = estimate_step(plan, dev, 8 * 4096)
+    est = estimate_step(plan, dev, 16 * 4096)
     dp = {b for b in est.buckets if b.mesh_dims == (0,)}
     return {b.kind for b in dp}, sum(b.time_s for b in dp)
 

@@ -76,9 +76,9 @@ def test_parse_ep_folds_into_dp_and_needs_its_mesh_dim() -> None:
     (json.dumps({**MOE, "experts": 6}), "dp=2,ep=4", "--mesh ep=4: ep does not divide the model's 6 experts; an ep "
      "of 2, 3 or 6 does"),
     (json.dumps({**MOE, "batch": 6}), "dp=2,ep=2", "--batch 6: data parallel over dp x ep = 2 x 2 ranks needs a batch "
-     "that is a multiple of 4 (each rank whole sequences)"),
+     "that is a multiple of 4 (each rank whole sequences); --batch not given: the model's own batch is 6"),
     (json.dumps({**MOE, "batch": 6}), "ep=4", "--batch 6: data parallel over ep = 4 ranks needs a batch that is a "
-     "multiple of 4 (each rank whole sequences)"),
+     "multiple of 4 (each rank whole sequences); --batch not given: the model's own batch is 6"),
 ])
 def test_ep_refuses_with_one_line(model: str, mesh: str, msg: str) -> None:
     with pytest.raises(ProgramError) as exc:

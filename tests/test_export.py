@@ -148,7 +148,10 @@ def test_cli_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["spmdkit plan: ExportError: --export 'onnx': unknown format (one of dtensor, jax, paddle, torch)"]
     assert main(["plan", "--model", "tiny-llama", "--export", "dtensor", str(tmp_path / "d.json")]) == 2
-    assert "embed: a sharded 2-D parameter not named <module>.weight" in capsys.readouterr().err
+    err = capsys.readouterr().err  # (the line says where dtensor applies and what a preset exports to)
+    assert "embed: a sharded 2-D parameter not named <module>.weight" in err
+    assert err.strip().endswith("export an --hf model's plan this way; a preset's tensor-parallel weights (the zoo's "
+                                "[in, out] tensors, no torch module) export to jax or paddle")
     assert not (tmp_path / "d.json").exists()
 
 

@@ -419,3 +419,17 @@ def test_full_recompute_on_an_imported_model(imported: Callable[[str], Any]) -> 
     assert len(kept["model.layers.1"]) == 1
     assert full.layer("model.layers.1") * 10 < none.layer("model.layers.1")
     assert len(full.recomputed) == 2  # one region per layer
+
+
+def test_an_hf_batch_dp_does_not_divide_names_batch(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """An --hf model traced at the default batch 2 on dp=4 was refused as '--strategy dp: input
+    input_ids has batch size 2, which dp=4 does not divide', naming no flag that changes it: the line
+    says the batch is --batch's (a --program file's its own)."""
+    from spmdkit.cli import main
+
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(CONFIGS["llama"][1]))
+    assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", str(f), "--mesh", "dp=4", "--strategy", "dp"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "spmdkit plan: ProgramError: --strategy dp: input input_ids has batch size 2, which dp=4 does not divide (each "
+        "rank whole sequences; an --hf model is traced at --batch sequences, a --program file at its own)")

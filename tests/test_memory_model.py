@@ -203,7 +203,7 @@ def test_zero_over_a_dp_that_divides_no_axis_shards_by_bytes() -> None:
     the optimizer states (and gradients, parameters) about 1/7 each, as flat-buffer ZeRO does,
     and reduce-scatters the gradients."""
     for stage, shard in (("zero1", (1, 1, 7)), ("zero2", (1, 7, 7)), ("zero3", (7, 7, 7))):
-        model, plan, _ = plan_model("gpt2-small", "dp=7", stage, {"layers": 1})
+        model, plan, _ = plan_model("gpt2-small", "dp=7", stage, {"layers": 1, "batch": 7})  # a sequence a rank
         prog = model.program
         psi = sum(t.numel for t in prog.tensors.values() if t.kind == "parameter" and not t.inplace_of)
         mem = memory_per_device(plan)

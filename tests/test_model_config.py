@@ -97,7 +97,7 @@ def test_a_tied_pipeline_simulates_equal(capsys: pytest.CaptureFixture[str]) -> 
     (["--model-config", '{"base": "tiny-llama", "layerz": 3}'], "unknown field 'layerz'"),
     (["--model-config", '{"base": "tiny-llama", "layers": 0}'], "--model-config layers: expected an integer"),
     (["--model-config", '{"base": "tiny-llama", "tied_embeddings": 1}'], "tied_embeddings: expected true or false"),
-    (["--model-config", '{"base": "nope"}'], "--model: no preset 'nope'"),
+    (["--model-config", '{"base": "nope"}'], "--model-config base: no preset 'nope'"),  # (not --model: not given)
     (["--model-config", "missing.json"], "no such file"),
     (["--model-config", "[1]"], "expected a JSON object or a .json file"),
     (["--model-config", "{"], "not valid JSON"),
@@ -124,8 +124,8 @@ def test_runtime_reaches_the_plan(capsys: pytest.CaptureFixture[str], monkeypatc
         return real(plan, *a, **k)
 
     monkeypatch.setattr(common, "estimate_step", spy)
-    _plan_json(capsys, "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--device", "h100", "--precision", "bf16",
-               "--framework", "torchtitan", "--tp-comm-overlap")
+    _plan_json(capsys, "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--strategy", "megatron,sp", "--device", "h100",
+               "--precision", "bf16", "--framework", "torchtitan", "--tp-comm-overlap")
     assert seen == [Runtime("bf16", "torchtitan", True)]
 
 

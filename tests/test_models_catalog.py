@@ -277,15 +277,31 @@ def test_llama_405b_plans_on_1024_ranks_in_16_uneven_stages(capsys: pytest.Captu
 
 def test_catalog_batch_follows_dp_unless_given(capsys: pytest.CaptureFixture[str]) -> None:
     """A catalog model's batch is rounded up to whole sequences per dp rank; --batch is kept
-    as given (3 on dp=2 is uneven, and said so); a preset keeps its own batch."""
+    as given (3 on dp=2 is refused: each rank whole sequences); a preset keeps its own batch."""
     assert main(["plan", "--model", "llama3-8b", "--layers", "1", "--seq", "256", "--mesh", "dp=4,tp=2"]) == 0
     assert "seq 256, batch 4, bfloat16" in capsys.readouterr().out
     assert main(["plan", "--model", "llama3-8b", "--layers", "1", "--seq", "256", "--batch", "3",
-                 "--mesh", "dp=2,tp=2"]) == 0
-    out = capsys.readouterr().out
-    assert "batch 3, bfloat16" in out and "uneven shards" in out
+                 "--mesh", "dp=2,tp=2"]) == 2
+    assert "--batch 3: data parallel over --mesh dp=2 needs a batch that is a multiple of 2" in capsys.readouterr().err
     assert main(["plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2"]) == 0
     assert "batch 4, float32" in capsys.readouterr().out
+
+
+def test_catalog_pipeline_without_batch_has_one_sequence_a_dp_rank_a_microbatch(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A pipeline of a catalog model without --batch: each of --microbatches M is one sequence a dp
+    rank (as a preset's microbatch is its batch), so the step is dp x M sequences. It was refused:
+    the batch rounded to dp (2) was taken as the whole step's and '--microbatches 4: does not divide
+    the batch 2' named a batch the user never gave."""
+    argv = ["plan", "--model", "llama3-8b", "--layers", "2", "--seq", "256", "--mesh", "pp=2,dp=2,tp=2",
+            "--strategy", "megatron,sp"]
+    assert main([*argv, "--microbatches", "4"]) == 0
+    assert "batch 8 as 4 microbatches of 2, bfloat16" in capsys.readouterr().out
+    assert main(argv) == 0  # one microbatch (the default): as before
+    assert "batch 2 as 1 microbatches of 2, bfloat16" in capsys.readouterr().out
+    assert main([*argv, "--microbatches", "4", "--batch", "4"]) == 2  # a --batch given is the step's, as before
+    assert "(a microbatch: --batch 4 over --microbatches 4; whole sequences per rank: --microbatches 2 or --batch 8)" \
+        in capsys.readouterr().err
 
 
 def test_devices_search_of_a_catalog_model_tries_every_dp(capsys: pytest.CaptureFixture[str]) -> None:

@@ -151,7 +151,8 @@ def test_verify_with_pp(capsys: pytest.CaptureFixture[str]) -> None:
     # the preset is built at one microbatch: its refusal names the --batch the user gave
     (["--model", "mixtral-8x7b", "--layers", "2", "--mesh", "pp=2,dp=4,ep=8", "--strategy", "dp,ep", "--batch", "64",
       "--microbatches", "4"], "--batch 16: data parallel over dp x ep = 4 x 8 ranks needs a batch that is a multiple "
-                              "of 32 (each rank whole sequences) (a microbatch: --batch 64 over --microbatches 4)"),
+                              "of 32 (each rank whole sequences) (a microbatch: --batch 64 over --microbatches 4; "
+                              "whole sequences per rank: --microbatches 2 or --batch 128)"),
 ])
 def test_errors_are_one_line(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _run(["plan", *argv], capsys)

@@ -62,7 +62,7 @@ def test_llama_405b_split_on_16_stages_beats_the_naive_one() -> None:
     """126 layers on pp=16 (Llama 3.1 405B): the automatic split is Megatron users' 7, 8 x 14, 7
     and its slowest stage and fullest device are below those of the naive split (8 x 14, 7, 7)."""
     cfg = json.dumps({"base": "llama-70b", "layers": 126, "hidden": 16384, "heads": 128, "kv_heads": 8,
-                      "ffn": 53248, "vocab": 128256, "seq": 8192, "batch": 1})
+                      "ffn": 53248, "vocab": 128256, "seq": 8192, "batch": 8})  # a sequence a dp rank
     got = plan_pipeline_source(Preset(cfg), "pp=16,dp=8,tp=8", "megatron", {})
     assert got.layers == 126 and got.counts is None  # left to the estimate to balance
     dev = preset_device("h100")

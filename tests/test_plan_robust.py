@@ -194,11 +194,83 @@ def main_json(capsys: pytest.CaptureFixture[str], mesh: str) -> str:
     return out
 
 
-def test_uneven_dp_batch_is_stated(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = plan(capsys, *TINY, "--mesh", "dp=3", "--strategy", "dp", "--batch", "8", "--json")
+def test_a_batch_dp_does_not_divide_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each data-parallel rank takes whole sequences, as Megatron-LM asserts (global batch a
+    multiple of micro-batch x dp) and torchtitan defines (a batch per dp rank): 8 sequences over
+    dp=3, or the one of llama-7b over dp=2 (planned before with half the dp ranks given no
+    sample and a warning), are refused naming --batch and --mesh's dp; a pipeline's microbatch
+    too, saying which --microbatches or --batch would divide."""
+    assert_refused(capsys, [*TINY, "--mesh", "dp=3", "--strategy", "dp", "--batch", "8", "--json"],
+                   "--batch 8: data parallel over --mesh dp=3 needs a batch that is a multiple of 3 (each rank "
+                   "whole sequences)")
+    assert_refused(capsys, ["--model", "llama-7b", "--layers", "1", "--seq", "256", "--batch", "1", "--mesh",
+                            "dp=2,tp=4", "--strategy", "dp,megatron"],
+                   "--batch 1: data parallel over --mesh dp=2 needs a batch that is a multiple of 2")
+    assert_refused(capsys, ["--model", "llama-7b", "--layers", "2", "--seq", "256", "--mesh", "pp=2,dp=2,tp=2",
+                            "--batch", "16", "--microbatches", "16"],
+                   "--batch 1: data parallel over --mesh dp=2 needs a batch that is a multiple of 2 (each rank whole "
+                   "sequences) (a microbatch: --batch 16 over --microbatches 16; whole sequences per rank: "
+                   "--microbatches 8 or --batch 32)")
+    # the model's own batch where --batch is not given: said so, and a pipeline's suggestion is --batch alone
+    # (without it each microbatch is the model's batch, whatever --microbatches)
+    assert_refused(capsys, ["--model", "llama-7b", "--layers", "1", "--seq", "256", "--mesh", "dp=16",
+                            "--strategy", "zero3"],
+                   "--batch 8: data parallel over --mesh dp=16 needs a batch that is a multiple of 16 (each rank whole "
+                   "sequences); --batch not given: the model's own batch is 8")
+    assert_refused(capsys, ["--model", "llama-7b", "--layers", "2", "--seq", "256", "--mesh", "pp=2,dp=16",
+                            "--strategy", "zero1", "--microbatches", "4"],
+                   "(a microbatch: --batch not given: each of the 4 microbatches the model's own batch; whole "
+                   "sequences per rank: --batch 64)")
+    rc, out, err = plan(capsys, *TINY, "--mesh", "dp=2", "--strategy", "dp", "--batch", "8", "--json")
+    assert rc == 0 and json.loads(out)["uneven_shards"] == [], err
+
+
+def test_tp_comm_overlap_without_sequence_parallelism_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp-comm-overlap overlaps sp's all-gathers and reduce-scatters; plain megatron over tp=4 has
+    none, and it was accepted and ignored (the same step as without it). Megatron-LM asserts
+    sequence parallelism with it (megatron/training/arguments.py): refused, naming both flags; with
+    sp it plans, and at tp=1 (Megatron's own H100 table sets it on every run) it is no error."""
+    base = ["--model", "llama-7b", "--layers", "1", "--seq", "256", "--device", "h100", "--tp-comm-overlap"]
+    for strategy in ([], ["--strategy", "megatron"], ["--strategy", "dp,megatron,zero1"]):
+        assert_refused(capsys, [*base, "--mesh", "dp=2,tp=4", *strategy],
+                       "--tp-comm-overlap: overlaps sequence parallelism's all-gathers and reduce-scatters with the "
+                       "GEMMs; --strategy ")
+    assert "add sp, --strategy megatron,sp" in assert_refused(capsys, [*base, "--mesh", "pp=2,dp=2,tp=2"],
+                                                              "over tp=2 has none")
+    for mesh, strategy in (("dp=2,tp=4", "megatron,sp"), ("dp=8", "dp,zero1"), ("dp=8,tp=1", "dp,megatron")):
+        rc, _, err = plan(capsys, *base, "--mesh", mesh, "--strategy", strategy)
+        assert rc == 0, err
+
+
+def test_moe_flags_on_a_model_without_experts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--moe-skew / --moe-histogram / --moe-dispatcher / --moe-routing on a dense model were accepted
+    and changed nothing (as --ep-comm-overlap, they describe a router and its token exchange):
+    refused naming the flag, flat, in a pipeline and under --auto; an MoE model takes them."""
+    dense = ["--model", "llama-7b", "--layers", "2", "--seq", "256", "--device", "h100"]
+    for flags, names in ((["--moe-skew", "2"], "--moe-skew 2: "), (["--moe-histogram", "[1,2]"], "--moe-histogram: "),
+                         (["--moe-dispatcher", "deepep", "--moe-routing", "balanced"],
+                          "--moe-dispatcher deepep / --moe-routing balanced: ")):
+        line = assert_refused(capsys, [*dense, "--mesh", "dp=8", "--strategy", "dp", *flags], names)
+        assert "the model has no MoE layer (no moe_gate_dispatch op)" in line
+    assert_refused(capsys, [*dense, "--mesh", "pp=2,dp=4", "--strategy", "dp", "--moe-skew", "aux-loss"],
+                   "--moe-skew 1.52: describes a mixture-of-experts router")
+    assert_refused(capsys, [*TINY, "--mesh", "dp=2", "--auto", "--moe-skew", "2"], "the model has no MoE layer")
+    assert_refused(capsys, ["--model-config", '{"base": "tiny-llama"}', "--devices", "4", "--moe-routing", "balanced"],
+                   "--moe-routing balanced: describes a mixture-of-experts router")  # before the search
+    rc, _, err = plan(capsys, "--model", "mixtral-8x7b", "--layers", "1", "--seq", "256", "--mesh", "dp=8,ep=8",
+                      "--strategy", "dp,ep", "--device", "h100", "--moe-skew", "2")
     assert rc == 0, err
-    un = {(u["tensor"], u["axis"]): u for u in json.loads(out)["uneven_shards"]}
-    assert (8, 3, 3, 2) == tuple(un[("tokens", 0)][k] for k in ("size", "parts", "largest", "smallest"))
+
+
+def test_the_default_strategy_is_named_when_the_mesh_has_no_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    """--mesh dp=2 without --strategy was refused as '--strategy megatron: the mesh has no 'tp' dim', a
+    flag the user never gave: the line says it is the default and what to give; a --strategy the
+    user typed is named as it was."""
+    line = assert_refused(capsys, [*TINY, "--mesh", "dp=2"], "--strategy megatron: the mesh has no 'tp' dim")
+    assert line.endswith("; --strategy not given: the default is megatron (give one for a mesh without tp, e.g. "
+                         "--strategy dp)")
+    assert_refused(capsys, [*TINY, "--mesh", "pp=2,dp=2"], "--strategy not given: the default is megatron")  # a pipeline
+    assert "not given" not in assert_refused(capsys, [*TINY, "--mesh", "dp=2", "--strategy", "megatron"], "no 'tp' dim")
 
 
 def test_subprocess_has_no_traceback() -> None:

@@ -138,3 +138,23 @@ def test_a_zero3_and_an_aliased_recipe_from_the_cli(tmp_path: Path) -> None:
     assert _cli(*SEARCH, "--strategy", "megatron,sp,fsdp", "--export-recipe", "json", str(j))[0] == 0
     assert json.loads(j.read_text())["zero"] == 3
     assert tomllib.loads(torchtitan_toml(json.loads(j.read_text())))["parallelism"]["data_parallel_replicate_degree"] == 1
+
+
+def test_an_hf_recipe_has_the_models_sequence_and_layers(tmp_path: Path) -> None:
+    """--export-recipe of an --hf model without --seq / --layers wrote seq 0 and layers 0 (torchtitan's
+    seq_len = 0, Megatron-LM's --seq-length 0 --num-layers 0): they are the traced program's, its
+    data inputs' second axis and its layers."""
+    pytest.importorskip("transformers")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                               "vocab_size": 256, "max_position_embeddings": 128}))
+    j = tmp_path / "r.json"
+    rc, _out, err = _cli("plan", "--hf", "LlamaForCausalLM", "--hf-config", str(cfg), "--devices", "4",
+                         "--export-recipe", "json", str(j))
+    assert rc == 0, err
+    r = json.loads(j.read_text())
+    assert (r["seq"], r["layers"]) == (16, 2)  # the --hf default sequence, the config's layers
+    assert tomllib.loads(torchtitan_toml(r))["training"]["seq_len"] == 16
+    pairs = dict(itertools.pairwise(megatron_args(r).replace("\\\n", "").split()))
+    assert (pairs["--seq-length"], pairs["--num-layers"]) == ("16", "2")

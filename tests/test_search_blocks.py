@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from spmdkit.cli import main
+from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import load_device
 from spmdkit.cost.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP
 from spmdkit.outputs.recipe import megatron_args, recipe, recipe_warning, torchtitan_toml
@@ -213,3 +214,15 @@ def test_the_search_offers_no_full_k_under_a_framework_without_a_count_of_layers
                         micro_batch=1, prune=False, runtime=Runtime(framework="torchtitan"))
     modes = {c.config.recompute for c in res.fitting if c.config.pp > 1}
     assert {"none", "full"} <= modes and not any(m.startswith("full:") for m in modes)
+
+
+def test_a_plan_mode_the_search_does_not_try_is_named_with_what_it_tries() -> None:
+    """--devices --recompute full:1 (a valid plan --mesh mode) was refused as '--recompute 'full:1': one
+    of none, selective, full', as if full:K were not a mode: the line says what the search tries (and
+    that it picks full:K itself) and where the mode is priced."""
+    for mode in ("full:1", "selective:mlp", "microbatch"):
+        with pytest.raises(ProgramError) as e:
+            search_meshes("tiny-llama", 2, "h100", recompute=[mode])
+        assert str(e.value) == (f"--recompute {mode}: the search tries one of none, selective, full (and, for a "
+                                f"pipeline that fits only with full recomputation, the least full:K that fits); "
+                                f"price {mode} for one configuration with spmdkit plan --mesh ...")

@@ -15,7 +15,7 @@ import json
 import tomllib
 
 from spmdkit.cost.devices import DEVICES
-from spmdkit.outputs.recipe import megatron_args, recipe, torchtitan_toml
+from spmdkit.outputs.recipe import megatron_args, recipe, recipe_warning, torchtitan_toml
 from spmdkit.planner.search import _bounds, _model_sizes, _work, config_candidates, search_meshes
 from spmdkit.planner.search_config import _Job
 from spmdkit.planner.search_space import CP_VARIANTS, Config, context_degrees, ep_from_cp_degrees, hand_strategies
@@ -135,3 +135,33 @@ def test_the_recipe_of_an_ep_from_cp_configuration() -> None:
     assert (r["micro_batch"], r["context_parallel"], r["expert_parallel"], r["expert_tensor_parallel"]) == (1, 1, 2, 2)
     assert "--expert-tensor-parallel-size" not in megatron_args(r)
     assert "expert_tensor_parallel_degree" not in tomllib.loads(torchtitan_toml(r))["parallelism"]
+
+
+def test_torchtitan_recipes_degrees_multiply_to_the_devices() -> None:
+    """torchtitan's ParallelDims asserts dp_replicate x dp_shard x cp x tp x pp == world size and
+    that ep divides dp_shard x cp x tp (its expert group borrows the data-parallel ranks). The
+    recipe wrote spmdkit's dp alone as the data-parallel degree, so dp=2 x ep=2 x tp=2 (8 devices)
+    came out as 2 x 2 = 4 ranks, which torchtitan refuses, and local_batch_size x dp under the
+    global batch (a doubled accumulation). Now the batch ranks dp x ep: FSDP over 4 (written as FSDP
+    without ZeRO too, with a warning), and the ep-from=cp layout keeps dp alone (ep is in cp there)."""
+    def degrees(par: dict[str, int]) -> int:
+        return (par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
+                * par["context_parallel_degree"] * par["tensor_parallel_degree"] * par["pipeline_parallel_degree"])
+
+    plain = next(x for x in config_candidates(MOE, Config(2, 2, 1, "megatron,sp,ep", ep=2), overrides={
+        "batch": 4, "seq": 256}) if x.config.recompute == "none")
+    r = recipe(plain, "moe", 4, 256, 2)
+    doc = tomllib.loads(torchtitan_toml(r))
+    par = doc["parallelism"]
+    assert degrees(par) == 8 and (par["data_parallel_shard_degree"], par["data_parallel_replicate_degree"]) == (4, 1)
+    assert (par["data_parallel_shard_degree"] * par["context_parallel_degree"] * par["tensor_parallel_degree"]) \
+        % par["expert_parallel_degree"] == 0
+    assert doc["training"]["global_batch_size"] == doc["training"]["local_batch_size"] * 4  # no accumulation
+    assert "written as FSDP" in (recipe_warning("torchtitan", r) or "") and recipe_warning("megatron", r) is None
+    z1 = next(x for x in config_candidates(MOE, Config(2, 2, 1, "megatron,sp,ep,zero1", ep=2), overrides={
+        "batch": 4, "seq": 256}) if x.config.recompute == "none")
+    r1 = recipe(z1, "moe", 4, 256, 2)
+    assert degrees(tomllib.loads(torchtitan_toml(r1))["parallelism"]) == 8 and recipe_warning("torchtitan", r1) is None
+    cfg = Config(1, 2, 1, "megatron,sp,ep,etp=1,cp,cp-attention=ring,ep-from=cp", ep=2, cp=4)
+    c = next(x for x in config_candidates(MOE, cfg, overrides={"batch": 2}) if x.config.recompute == "none")
+    assert degrees(tomllib.loads(torchtitan_toml(recipe(c, "moe", 2, 16384, 2)))["parallelism"]) == 16

@@ -186,3 +186,12 @@ def test_pipeline_report_fits(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rc == 0
     assert max(len(ln) for ln in _lines(buf.getvalue())) <= 90
     assert "Stages (per microbatch" in buf.getvalue()
+
+
+def test_a_time_zero_but_for_rounding_is_not_negative_zero() -> None:
+    """--auto on tiny-llama dp=2,tp=2 printed '(-0.0 us of communication exposed)': the step minus the
+    compute, zero but for rounding. A rounding-sized negative prints as 0; a real one keeps its sign."""
+    from spmdkit.outputs.report import fmt_time
+
+    assert fmt_time(-1e-12) == "0.0 us" and fmt_time(0.0) == "0.0 us"
+    assert fmt_time(-2e-6) == "-2.0 us" and fmt_time(1.5e-3) == "1.50 ms"

@@ -46,6 +46,11 @@ def resolve_mesh_batch(req: PlanRequest) -> PlanRequest:
     """A ``--mesh`` request's ``--global-batch`` / ``--micro-batch`` as ``--batch``,
     ``--grad-accum`` or ``--microbatches``; ``--batch`` with ``--grad-accum`` warned of."""
     g, mb = global_batch(req)
+    if req.grad_accum is not None and ("pp" in parse_mesh(req.mesh_text).dim_names or req.pipeline.given()):
+        # a pipeline accumulates over its microbatches (Megatron-LM's num_microbatches): --grad-accum
+        # was accepted there, warned of, and planned as one step of --batch
+        raise ProgramError(f"--grad-accum {req.grad_accum}: a pipeline accumulates the gradients over its "
+                           "--microbatches (give --microbatches M, or --global-batch and --micro-batch)")
     if g is None:
         k = parse_size("--grad-accum", req.grad_accum, 1 << 20) or 1
         b = parse_size("--batch", req.batch, MAX_SIZE)

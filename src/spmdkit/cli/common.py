@@ -33,8 +33,9 @@ from spmdkit.planner.ep_overlap import apply_flat_overlap, check_ep_comm_overlap
 from spmdkit.planner.planning import clip_repr, parse_size, plan_preset, plan_program
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
+from spmdkit.program.runtime import Runtime
 from spmdkit.strategies.context import hf_cp
-from spmdkit.strategies.experts import tp_chunks
+from spmdkit.strategies.experts import moe_layers, tp_chunks
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy, strategy_items
 
 
@@ -92,6 +93,7 @@ def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
     ``pipelined``): refused as Megatron-Core refuses it, else its merged steps taken off the step
     (:func:`spmdkit.planner.ep_overlap.apply_flat_overlap`)."""
     plan = replace(plan, runtime=links.runtime())
+    check_moe_flags(plan.runtime, bool(moe_layers(plan.program)))
     flat = plan.runtime.ep_comm_overlap and not pipelined
     if flat:
         check_ep_comm_overlap(plan, None, recompute)
@@ -110,6 +112,20 @@ def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
     tokens = config.batch * config.seq if config is not None else guess_tokens(plan.program)
     est = estimate_step(plan, device, tokens, recompute)
     return plan, apply_flat_overlap(plan, est, recompute) if flat else est
+
+
+def check_moe_flags(rt: Runtime, moe: bool) -> None:
+    """``--moe-skew``, ``--moe-histogram``, ``--moe-dispatcher`` and ``--moe-routing`` describe a
+    mixture-of-experts router and its token exchange: on a model without MoE layers (not ``moe``:
+    no ``moe_gate_dispatch`` op) they change nothing, so a ProgramError names the flag (as
+    ``--ep-comm-overlap`` is refused there) rather than a plan that silently ignores it."""
+    given = [flag for flag, on in ((f"--moe-skew {rt.moe_skew:g}", rt.moe_skew != 1.0),
+                                   ("--moe-histogram", rt.moe_histogram is not None),
+                                   (f"--moe-dispatcher {rt.moe_dispatcher}", rt.moe_dispatcher != "alltoall"),
+                                   (f"--moe-routing {rt.moe_routing}", rt.moe_routing != "topk")) if on]
+    if given and not moe:
+        raise ProgramError(f"{' / '.join(given)}: describes a mixture-of-experts router and its token exchange; the "
+                           f"model has no MoE layer (no moe_gate_dispatch op), so it would change nothing")
 
 
 def block_recompute(prog: Program, recompute: str) -> str:
@@ -214,4 +230,4 @@ def auto_json(info: AutoInfo, cap: int | None) -> dict[str, Any]:
             "explain": [e.to_json() for e in info.explain]}
 
 
-__all__ = ["auto_items", "auto_json", "auto_time_limit", "block_recompute", "catalog_batch", "export_plan_file", "mesh_dp", "plan_source", "step_estimate", "strategy_notes", "write_html"]
+__all__ = ["auto_items", "auto_json", "auto_time_limit", "block_recompute", "catalog_batch", "check_moe_flags", "export_plan_file", "mesh_dp", "plan_source", "step_estimate", "strategy_notes", "write_html"]

@@ -14,7 +14,14 @@ from typing import Any, TextIO
 
 from spmdkit.cli.batch import global_batch
 from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
-from spmdkit.cli.common import auto_time_limit, catalog_batch, export_plan_file, require_simulator, write_html
+from spmdkit.cli.common import (
+    auto_time_limit,
+    catalog_batch,
+    check_moe_flags,
+    export_plan_file,
+    require_simulator,
+    write_html,
+)
 from spmdkit.cli.request import PlanRequest
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.models.source import load
@@ -30,9 +37,12 @@ from spmdkit.planner.pipeline_plan import pp_cost_text
 from spmdkit.planner.planning import MAX_SIZE, parse_cost, parse_size
 from spmdkit.planner.search import SearchResult, search_meshes
 from spmdkit.planner.search_config import Candidate
-from spmdkit.planner.search_space import CpTrace
+from spmdkit.planner.search_space import LONG_SEQ, CpTrace
 from spmdkit.program.ir import Program
-from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh
+from spmdkit.program.layers import layer_tags
+from spmdkit.strategies.experts import moe_layers
+from spmdkit.strategies.hf import data_inputs
+from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh, strategy_items
 
 
 def run_devices(req: PlanRequest, out: TextIO) -> int:
@@ -66,6 +76,13 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
         model, what = loaded.program, loaded.title
     else:
         model, what = m.model, model_label(m.model)
+    check_moe_flags(req.links.runtime(), bool(moe_layers(model)) if isinstance(model, Program) else
+                    bool(preset(model).experts))  # before the search
+    if "cp" in {s.split("=")[0] for s in strategy_items(req.strategy)} and 0 < (s := _seq_of(model, seq)) < LONG_SEQ:
+        # (the search found nothing to plan, and said only what it refused for other reasons)
+        raise ProgramError(f"--strategy {req.strategy}: the --devices search tries context parallelism from "
+                           f"{LONG_SEQ} tokens, and the sequence is {s}; plan cp at it on a given mesh (--mesh with "
+                           f"a cp dim)")
     patterns = parse_tp_plan(m.tp_plan)
     with Progress(f"plan --devices {n}", lines=True) as bar:  # a line on a terminal's stderr, a line a phase on a pipe
         res = search_meshes(model, n, req.links.device or "h100", req.search.memory, auto=req.search.auto,
@@ -125,14 +142,22 @@ def _global_batch(model: str | Program, batch: int | None, best: Candidate) -> i
 
 
 def _seq_of(model: str | Program, seq: int | None) -> int:
-    if seq is not None or isinstance(model, Program):
-        return seq or 0
+    """``--seq``, else the model's: an --hf or --program model's the second axis of its data
+    inputs (it wrote 0 into the recipe's seq_len / --seq-length), 0 where it has none."""
+    if seq is not None:
+        return seq
+    if isinstance(model, Program):
+        shapes = [model.tensors[n].shape for n in data_inputs(model) if len(model.tensors[n].shape) > 1]
+        return shapes[0][1] if shapes else 0
     return preset(model).seq
 
 
 def _layers_of(model: str | Program, layers: int | None) -> int:
-    if layers is not None or isinstance(model, Program):
-        return layers or 0
+    """``--layers``, else the model's: an --hf or --program model's its layer tags (not 0)."""
+    if layers is not None:
+        return layers
+    if isinstance(model, Program):
+        return len(layer_tags(model))
     return preset(model).layers
 
 

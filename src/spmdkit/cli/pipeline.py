@@ -148,7 +148,9 @@ def _stage_search(req: PlanRequest, device: Device | None) -> StageSearch | None
 def _source(req: PlanRequest, microbatches: int) -> ModelSource:
     """The model the pipeline plans: ``--hf`` (the step's batch, ``--batch`` or
     :data:`~spmdkit.cli.request.HF_PIPELINE_BATCH` sequences per microbatch), ``--program`` (its
-    step as one microbatch), else a preset, catalog model or ``--model-config`` with its sizes."""
+    step as one microbatch), else a preset, catalog model or ``--model-config`` with its sizes
+    (without ``--batch`` each microbatch is a preset's batch, a catalog model's one sequence a dp
+    rank: :func:`~spmdkit.cli.common.catalog_batch`)."""
     m = req.model
     layers = parse_size("--layers", req.layers, MAX_LAYERS)
     batch = parse_size("--batch", req.batch, MAX_SIZE)
@@ -158,7 +160,9 @@ def _source(req: PlanRequest, microbatches: int) -> ModelSource:
         return src if batch else replace(src, batch=src.batch * microbatches)
     if m.program:
         return program_source(m, layers, batch, seq)
-    return Preset(m.model, layers, catalog_batch(m.model, mesh_dp(req.mesh_text, req.strategy), batch), seq)
+    if batch is None and (one := catalog_batch(m.model, mesh_dp(req.mesh_text, req.strategy), None)) is not None:
+        batch = one * microbatches  # a catalog model without --batch: each microbatch one sequence a dp rank
+    return Preset(m.model, layers, batch, seq)
 
 
 def _title(got: PipelinePlan, source: ModelSource, spec: PipelineSpec) -> str:

@@ -50,7 +50,7 @@ from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_cost, parse_siz
 from spmdkit.planner.search import parse_memory
 from spmdkit.strategies.context import auto_config as auto_cp_config
 from spmdkit.strategies.context import hf_cp
-from spmdkit.strategies.strategy import parse_mesh
+from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
 
 def run_plan(req: PlanRequest, out: TextIO) -> int:
@@ -74,6 +74,13 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
             if runtime.ep_comm_overlap and devices:
                 raise ProgramError("--ep-comm-overlap: applies to one plan (--mesh with ep, with or without pp); the "
                                    "--devices search does not choose it")
+            if runtime.tp_comm_overlap and not devices and not req.search.auto:
+                _check_tp_comm_overlap(req)
+            for flag, given in (("--no-p2p-overlap", not runtime.p2p_overlap),
+                                ("--pp-scatter-gather", runtime.pp_scatter_gather)):
+                if given and not devices and not wants_pipeline(req):  # (accepted before, and changed nothing)
+                    raise ProgramError(f"{flag}: applies to a pipeline's stage-to-stage sends; --mesh "
+                                       f"{req.mesh_text} has no pp dim")
             if req.outputs.recipe is not None and not devices:
                 raise ProgramError("--export-recipe: applies to --devices (the search's best recipe); give --devices N")
             width = None if req.outputs.json else terminal_width(out, req.outputs.wide)
@@ -83,10 +90,31 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
                 return _plan_one(resolve_mesh_batch(req), fout)  # --global-batch / --micro-batch resolved
     except SpmdError as exc:
         msg = " ".join(str(exc).split())
+        if req.strategy is None and msg.startswith("--strategy megatron: the mesh has no 'tp' dim"):
+            msg += "; --strategy not given: the default is megatron (give one for a mesh without tp, e.g. --strategy dp)"
         if len(msg) > 500:
             msg = msg[:500] + "..."
         print(f"spmdkit plan: {type(exc).__name__}: {msg}", file=sys.stderr)
         return 2
+
+
+def _check_tp_comm_overlap(req: PlanRequest) -> None:
+    """``--tp-comm-overlap`` overlaps sequence parallelism's all-gathers and reduce-scatters with
+    the GEMMs; plain megatron over a tp dim of 2 or more has none (its all-reduces block), and
+    Megatron-LM refuses the pair ("Tensor parallel communication/GEMM overlap can happen only when
+    sequence parallelism is enabled", megatron/training/arguments.py, f2e5db402c and d98e8a6);
+    torchtitan's async TP runs on its sequence-parallel TP plan. A ProgramError naming both flags
+    (a --program file's strategy, none by default, is its own: not judged)."""
+    if req.model.program and req.strategy is None:
+        return
+    mesh = parse_mesh(req.mesh_text)
+    st = parse_strategy(req.strategy or "megatron", mesh)
+    tp = dict(zip(mesh.dim_names, mesh.shape)).get("tp", 1)
+    if "megatron" in st and "sp" not in st and tp > 1:
+        raise ProgramError(f"--tp-comm-overlap: overlaps sequence parallelism's all-gathers and reduce-scatters "
+                           f"with the GEMMs; --strategy {req.strategy or 'megatron'} over tp={tp} has none (its "
+                           f"all-reduces block; Megatron-LM asserts sequence parallelism with it): add sp, "
+                           f"--strategy megatron,sp")
 
 
 @gc_paused

@@ -161,7 +161,9 @@ def _seq_dims(attr: Any, axis: int) -> tuple[int, ...]:
 
 def cp_op(plan: Plan, i: int) -> CpOp | None:
     """Op ``i`` as a cp attention op whose sequence the plan splits (None otherwise): the ring's
-    ranks from its block inputs' sequence axis (the RingPass fact), the allgather's from q's."""
+    ranks from its block inputs' sequence axis (the RingPass fact), the allgather's from q's, the
+    alltoall's from the sequence axis q had before its all-to-all onto the heads (the op itself
+    reads it whole: its cp degree is the ranks the sequence came split over)."""
     op = plan.program.ops[i]
     if op.rule not in CP_RULES:
         return None
@@ -171,6 +173,8 @@ def cp_op(plan: Plan, i: int) -> CpOp | None:
     if ring is not None and not ring.applies(op.attrs):
         ring = None
     dims = _seq_dims(req.get(ring.blocks[0] if ring is not None else "q"), ring.axis if ring is not None else 1)
+    if variant == "alltoall":  # Ulysses runs on the heads: q's sequence was split where it came from
+        dims = _seq_dims(plan.ops[i].given.get("q"), 1)
     n = math.prod(plan.mesh.shape[d] for d in dims)
     if n <= 1 and variant != "alltoall":
         return None

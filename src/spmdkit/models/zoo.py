@@ -158,7 +158,11 @@ def config_from_json(text: str) -> ModelConfig:
     for k, v in obj.items():
         _check_field(k, v)
     if "base" in obj:
-        cfg = preset(obj["base"])
+        try:
+            cfg = preset(obj["base"])
+        except ProgramError as e:  # named as the field it is, not as --model (which was not given)
+            msg = str(e)
+            raise ProgramError("--model-config base: " + msg.removeprefix("--model: ")) from None
     else:
         missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab") if k not in obj]
         if missing:

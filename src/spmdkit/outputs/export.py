@@ -167,7 +167,9 @@ def _reduced_to(plan: Plan, name: str, tp: int) -> Any:
 def _module_of_param(name: str, fmt: str) -> str:
     if not name.endswith(".weight"):
         raise ExportError(f"--export {fmt}: {name}: a sharded 2-D parameter not named <module>.weight has no "
-                          f"torch parallel style (ColwiseParallel / RowwiseParallel shard a module's weight)")
+                          f"torch parallel style (ColwiseParallel / RowwiseParallel shard a module's weight): "
+                          f"export an --hf model's plan this way; a preset's tensor-parallel weights (the zoo's "
+                          f"[in, out] tensors, no torch module) export to jax or paddle")
     return name[: -len(".weight")]
 
 

@@ -13,7 +13,10 @@ reduced once a step), 2 and 3 Megatron-FSDP (``--use-megatron-fsdp
 ``--ckpt-format fsdp_dtensor`` it requires and ``--init-model-with-meta-device``: the gradients
 held at their shard, reduce-scattered in every microbatch's backward); torchtitan's FSDP
 (``data_parallel_shard_degree``) for 1-3 (FSDP2 shards whatever the level, so a ZeRO-1 / 2
-recipe is exported as FSDP there, which holds less, never more). The frameworks' context-parallel
+recipe is exported as FSDP there, which holds less, never more; its data-parallel degree is the
+batch ranks, ``dp x ep`` where ep is carved from dp, whose ranks torchtitan's expert group borrows
+from ``data_parallel_shard_degree``, so such a plan without ZeRO is written as FSDP too, with a
+warning). The frameworks' context-parallel
 degree is the ranks a sequence is split over (``cp x ep`` with ``ep-from=cp``: Megatron-Core and
 torchtitan carve the expert group from them), their expert-parallel degree the expert group
 (``ep x tp`` under ETP = 1, written with ``--expert-tensor-parallel-size 1`` /
@@ -118,7 +121,12 @@ def _torchtitan_ac(r: dict[str, Any]) -> dict[str, Any]:
 
 def torchtitan_toml(r: dict[str, Any]) -> str:
     """A torchtitan job config's sections for the recipe (``--job.config_file``)."""
-    fsdp = r["zero"] >= 1
+    # torchtitan's data-parallel degrees hold the batch ranks, dp x ep where ep is carved from dp: its
+    # expert group borrows them (ParallelDims._validate: dp_replicate x dp_shard x cp x tp x pp is the world,
+    # ep divides dp_shard x cp x tp), so such a plan is written as FSDP (recipe_warning says so without ZeRO)
+    ep_dp = r["ep"] > 1 and not r["ep_from_cp"]
+    ranks = r["dp"] * (r["ep"] if ep_dp else 1)
+    fsdp = r["zero"] >= 1 or ep_dp
     sections: dict[str, dict[str, Any]] = {
         "job": {"description": f"{r['model']} on {r['devices']} GPUs: spmdkit plan --devices "
                                f"{r['devices']} (predicted {r['predicted']['step_s']:.4g} s a step)"},
@@ -127,8 +135,8 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
         "training": {"global_batch_size": r["global_batch"],
                      "local_batch_size": r["micro_batch"] * (r["microbatches"] if r["pp"] > 1 else 1),
                      "seq_len": r["seq"]},
-        "parallelism": {"data_parallel_replicate_degree": 1 if fsdp else r["dp"],
-                        "data_parallel_shard_degree": r["dp"] if fsdp else 1,
+        "parallelism": {"data_parallel_replicate_degree": 1 if fsdp else ranks,
+                        "data_parallel_shard_degree": ranks if fsdp else 1,
                         "tensor_parallel_degree": r["tp"], "context_parallel_degree": r["context_parallel"],
                         "pipeline_parallel_degree": r["pp"], "expert_parallel_degree": r["expert_parallel"],
                         **({"expert_tensor_parallel_degree": 1} if r["expert_tensor_parallel"] == 1 < r["tp"]
@@ -181,6 +189,11 @@ def megatron_args(r: dict[str, Any]) -> str:
 
 def recipe_warning(kind: str, r: dict[str, Any]) -> str | None:
     """The one line saying what ``kind`` writes for what it cannot express (None: all of it)."""
+    if kind == "torchtitan" and r["zero"] == 0 and r["ep"] > 1 and not r["ep_from_cp"]:
+        return (f"--export-recipe torchtitan: expert parallelism borrows its {r['ep']} ranks from "
+                f"data_parallel_shard_degree (torchtitan's ParallelDims: ep divides dp_shard x cp x tp), so the "
+                f"plan's data parallelism without ZeRO ({r['strategy']}) is written as FSDP: less memory than the "
+                f"plan's, another step than the {r['predicted']['step_s']:.4g} s predicted")
     k = r.get("recompute_num_layers")
     if kind == "torchtitan" and k:
         return (f"--export-recipe torchtitan: recompute {r['recompute']} (full recomputation of the first {k} layers "

@@ -52,6 +52,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_time(s: float) -> str:
+    if -5e-8 < s < 0:  # a difference of sums that is zero but for rounding: not "-0.0 us"
+        s = 0.0
     if s >= 1:
         return f"{s:.2f} s"
     if s >= 1e-3:

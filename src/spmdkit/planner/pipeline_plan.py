@@ -7,6 +7,7 @@ preset, an HF model, a program file), its layers and their split into stages
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -107,7 +108,7 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
             loaded = load_preset(replace(source, layers=layers, batch=built.batch), built, vocab_parallel_loss=True)
             plan, info = auto_stage(loaded.program, sm, user, auto, cost)
         else:
-            with _microbatch_named(batch, m):
+            with _microbatch_named(batch, m, given is not None):
                 loaded, plan, _ = plan_preset(source.name, sub, strategy or "megatron", over, user, cost)
         assert loaded.model is not None
         c = loaded.model.config
@@ -143,15 +144,32 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
 
 
 @contextmanager
-def _microbatch_named(batch: int, m: int) -> Iterator[None]:
+def _microbatch_named(batch: int, m: int, given: bool = True) -> Iterator[None]:
     """A refusal of the microbatch's ``--batch batch / m`` (the preset is built at one microbatch)
-    says it is the microbatch of the ``--batch`` the user gave, over ``--microbatches``."""
+    says it is the microbatch of the ``--batch`` the user gave (or, not ``given``, of the model's
+    own batch a microbatch), over ``--microbatches``."""
     try:
         yield
     except ProgramError as e:
-        if m > 1 and str(e).startswith(f"--batch {batch // m}:"):
-            raise ProgramError(f"{e} (a microbatch: --batch {batch} over --microbatches {m})") from None
+        if (m > 1 or not given) and str(e).startswith(f"--batch {batch // m}:"):
+            what = f"--batch {batch} over --microbatches {m}" if given else \
+                f"--batch not given: each of the {m} microbatches the model's own batch"
+            raise ProgramError(f"{e} (a microbatch: {what}{_whole(e, batch, m, given)})") from None
         raise
+
+
+def _whole(e: ProgramError, batch: int, m: int, given: bool) -> str:
+    """Where ``e`` is :func:`spmdkit.strategies.experts.check_batch`'s refusal of the microbatch
+    over its data-parallel ranks: the ``--microbatches`` (the most up to ``m`` that divide a
+    ``given`` ``batch`` with whole sequences per rank) or ``--batch`` (``m`` microbatches of the
+    least such size) that would do; else nothing."""
+    got = re.search(r"needs a batch that is a multiple of ([0-9]+) ", str(e))
+    if got is None:
+        return ""
+    r = int(got[1])
+    fewer = [k for k in range(m - 1, 0, -1) if given and batch % k == 0 and (batch // k) % r == 0]
+    more = m * r * -(-(batch // m) // r)
+    return f"; whole sequences per rank: {f'--microbatches {fewer[0]} or ' if fewer else ''}--batch {more}"
 
 
 def _check_batch(batch: int, m: int) -> None:

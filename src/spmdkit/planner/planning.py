@@ -144,7 +144,12 @@ def plan_preset(model_name: str, mesh_text: str, strategy_text: str,
         if models is None else models.load(model_name, cfg, vpl)
     assert loaded.model is not None
     cost = parse_cost(cost_text, mesh)  # a bad --cost refused before the strategy's notes are made
-    ann = annotate(loaded.model, mesh, st, user)
+    try:
+        ann = annotate(loaded.model, mesh, st, user)
+    except ProgramError as e:  # a batch the data-parallel ranks do not divide: say it was not given
+        if (overrides or {}).get("batch") is None and str(e).startswith(f"--batch {cfg.batch}:"):
+            raise ProgramError(f"{e}; --batch not given: the model's own batch is {cfg.batch}") from None
+        raise
     plan = propagate(loaded.program, mesh, ann, cost, progress=progress,
                      storage=zero3_storage(loaded.model.optimizer, ann, st), grad_accum=grad_accum,
                      groups=cp_groups(mesh, st))

@@ -182,8 +182,10 @@ def _search_args(devices: int, device: Device | str, memory_cap: int | str | Non
             raise ProgramError(f"--recompute {rc[:40]}: the search tries {', '.join(RECOMPUTE_MODES)} (each "
                                f"configuration priced once a mode), not every N-th layer; price it for one "
                                f"configuration with spmdkit plan --mesh ... --recompute {rc[:40]}")
-        if rc not in RECOMPUTE_MODES:
-            raise ProgramError(f"--recompute {rc!r}: one of {', '.join(RECOMPUTE_MODES)}")
+        if rc not in RECOMPUTE_MODES:  # (full:K, microbatch, selective:M: plan --mesh's modes, checked before)
+            raise ProgramError(f"--recompute {str(rc)[:40]}: the search tries one of {', '.join(RECOMPUTE_MODES)} "
+                               f"(and, for a pipeline that fits only with full recomputation, the least full:K that "
+                               f"fits); price {str(rc)[:40]} for one configuration with spmdkit plan --mesh ...")
     given = None
     if strategies is not None:
         given = [s for s in strategies]

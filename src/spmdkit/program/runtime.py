@@ -237,6 +237,13 @@ class Runtime:
             _check_histogram(self.moe_histogram)
         if self.moe_histogram is not None and self.moe_skew != 1.0:
             raise ProgramError("--moe-skew and --moe-histogram: give one, not both")
+        for flag, off, what in (("--no-async-tp-allreduce", not self.tp_allreduce_overlap,
+                                 "the tp all-reduce of Megatron-LM before 2021-09, blocking the backward"),
+                                ("--no-wgrad-fusion", not self.wgrad_fusion,
+                                 "Megatron-LM before 2022-02, its weight gradients added into param.grad")):
+            if off and self.framework != "megatron":  # (they were accepted there and changed nothing)
+                raise ProgramError(f"{flag}: {what}; applies to --framework megatron only, not --framework "
+                                   f"{self.framework}")
         if self.pp_scatter_gather and self.framework != "megatron":
             raise ProgramError(f"--pp-scatter-gather: applies to --framework megatron only (Megatron-LM 2021-2022's "
                                f"scatter_gather_tensors_in_pipeline), not --framework {self.framework}")

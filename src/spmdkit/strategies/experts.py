@@ -145,11 +145,21 @@ def check_ep(mesh: ProcessMesh, layers: list[MoeLayer], ep: int, batch: int | No
             raise ProgramError(f"--mesh ep={n}: ep does not divide the model's {lay.experts} experts"
                                + (f"; an ep of {some} does" if fits else ""))
     ranks = (1 if from_cp else n) * (mesh.shape[dp] if dp is not None else 1)
+    what = (f"dp = {mesh.shape[dp]}" if from_cp else f"dp x ep = {mesh.shape[dp]} x {n}") if dp is not None \
+        else f"ep = {n}"
+    check_batch(batch, ranks, f"{what} ranks")
+
+
+def check_batch(batch: int | None, ranks: int, what: str) -> None:
+    """ProgramError naming ``--batch`` where the ``ranks`` data-parallel ranks (``what``: the
+    mesh dims they are) do not divide it: each rank takes whole sequences, as
+    every framework the planner models splits a batch, never in pieces of 1 down to 0: Megatron-LM
+    asserts ``global_batch_size % (micro_batch_size * data_parallel_size) == 0``
+    (megatron/core/num_microbatches_calculator.py, d98e8a6), torchtitan's batch is
+    ``local_batch_size`` sequences per dp rank (torchtitan/train.py, 8570415)."""
     if batch is not None and batch % ranks:
-        what = (f"dp = {mesh.shape[dp]}" if from_cp else f"dp x ep = {mesh.shape[dp]} x {n}") if dp is not None \
-            else f"ep = {n}"
-        raise ProgramError(f"--batch {batch}: data parallel over {what} ranks needs a batch that is a multiple of "
-                           f"{ranks} (each rank whole sequences)")
+        raise ProgramError(f"--batch {batch}: data parallel over {what} needs a batch that is a multiple of {ranks} "
+                           "(each rank whole sequences)")
 
 
 def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,

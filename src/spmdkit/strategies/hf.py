@@ -193,7 +193,8 @@ def _shard_batch(prog: Program, mesh: ProcessMesh, dm: Marks, dp: int | None, ep
             continue
         if shape[0] % size:
             raise ProgramError(f"--strategy dp: input {n} has batch size {shape[0]}, which dp={size} "
-                               f"does not divide")
+                               f"does not divide (each rank whole sequences; an --hf model is traced at --batch "
+                               f"sequences, a --program file at its own)")
         dm(n)[0] = batch_entry(dp, ep)
 
 

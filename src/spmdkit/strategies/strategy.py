@@ -67,6 +67,7 @@ from spmdkit.strategies.context import parse_option as parse_cp_option
 from spmdkit.strategies.context import zero_dims as cp_zero_dims
 from spmdkit.strategies.experts import (
     batch_entry,
+    check_batch,
     check_ep,
     check_etp,
     chunk_inputs,
@@ -268,6 +269,8 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
         check_ep(mesh, layers, ep, model.config.batch, dp, fold, from_cp)
         experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold,  # under cp: each cp rank routes its own chunk
                                mesh.dim_index("cp") if "cp" in st else None, from_cp)
+    elif dp is not None:  # (with ep: check_ep's, over dp x ep)
+        check_batch(model.config.batch, mesh.shape[dp], f"--mesh dp={mesh.shape[dp]}")
     # data parallel over dp (x ep: outside the experts, as Megatron folds them; not with ep-from=cp)
     batch = batch_entry(dp, None if from_cp else ep)
 
