@@ -331,7 +331,8 @@ DEVICES: dict[str, Device] = {
                         rates=A100_RATES),
     "h100": Device("NVIDIA H100 SXM5 80GB", dict(_H100_PEAKS), 3350 * G, 80 * 1024**3, _NVLINK4, _IB_NDR,
                    rates=H100_RATES, nccl_p2p_channels=_H100_NCCL_P2P),
-    "h200": Device("NVIDIA H200 SXM5 141GB", dict(_H100_PEAKS), 4800 * G, 141 * 10**9, _NVLINK4, _IB_NDR,
+    # memory in GiB as the other presets' (docs/devices.md "H200 SXM": 141 GiB, not 141e9 bytes)
+    "h200": Device("NVIDIA H200 SXM5 141GB", dict(_H100_PEAKS), 4800 * G, 141 * 1024**3, _NVLINK4, _IB_NDR,
                    rates=H200_RATES),
     "h800": Device("NVIDIA H800 SXM5 80GB", dict(_H100_PEAKS), 3350 * G, 80 * 1024**3, _NVLINK4_H800, _IB_NDR,
                    rates=H100_RATES),
