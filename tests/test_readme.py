@@ -31,3 +31,12 @@ def test_batch_example_output_is_real() -> None:
     assert len(cases) == 2
     shown = [json.loads(x) for x in re.findall(r"^(\{\"id\": \d.*)$", block, flags=re.M)[:2]]
     assert [answer_line(c) for c in cases] == shown
+
+
+def test_the_catalog_count_is_current() -> None:
+    """The README's count of the catalog's architectures is what ``spmdkit models`` lists (it said
+    37 after Qwen3-Next made 38)."""
+    from spmdkit.models.catalog import entries
+
+    said = re.search(r"`spmdkit models` lists the catalog: (\d+) published architectures", README)
+    assert said and int(said.group(1)) == len(entries())
