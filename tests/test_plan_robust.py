@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -240,6 +241,23 @@ def test_tp_comm_overlap_without_sequence_parallelism_is_refused(capsys: pytest.
     for mesh, strategy in (("dp=2,tp=4", "megatron,sp"), ("dp=8", "dp,zero1"), ("dp=8,tp=1", "dp,megatron")):
         rc, _, err = plan(capsys, *base, "--mesh", mesh, "--strategy", strategy)
         assert rc == 0, err
+
+
+def test_the_search_under_tp_comm_overlap_plans_no_megatron_without_sp(capsys: pytest.CaptureFixture[str]) -> None:
+    """--devices with --tp-comm-overlap: the configurations plan refuses (megatron without sp over
+    tp > 1) are listed among those not planned, with plan's reason, and none is ranked."""
+    rc, out, err = plan(capsys, "--model", "llama-7b", "--layers", "2", "--seq", "256", "--batch", "8", "--device",
+                        "h100", "--devices", "8", "--tp-comm-overlap", "--json")
+    assert rc == 0, err
+    search = json.loads(out)["search"]
+
+    def plain(c: dict[str, Any]) -> bool:
+        return bool(c["tp"] > 1 and "megatron" in c["strategy"].split(",") and "sp" not in c["strategy"].split(","))
+
+    assert search["top"] and not any(plain(c) for c in search["top"])
+    said = [c["reason"] for c in search["refused"] if plain(c)]
+    assert said and all(r.endswith("has no sequence parallelism to overlap (Megatron-LM asserts sp with it)")
+                        for r in said)
 
 
 def test_moe_flags_on_a_model_without_experts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

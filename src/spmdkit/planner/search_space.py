@@ -294,9 +294,10 @@ def program_sizes(prog: Program, layers: int, tokens: int | None, experts: int, 
 
 
 def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
-          auto: bool) -> tuple[list[Config], list[tuple[Config, str]]]:
+          auto: bool, tp_comm_overlap: bool = False) -> tuple[list[Config], list[tuple[Config, str]]]:
     """The configurations to plan (recomputation "none": the modes are priced on one plan) and
-    those refused before planning, with the reason."""
+    those refused before planning, with the reason (under ``tp_comm_overlap``, ``--tp-comm-overlap``,
+    megatron without sp over tp > 1, as ``plan`` refuses it: Megatron-LM asserts sp with it)."""
     work: list[Config] = []
     refused: list[tuple[Config, str]] = []
     batch = sizes.batch
@@ -349,6 +350,10 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
                         parse_strategy(s, _sub_mesh(cfg))
                     except ProgramError as exc:
                         refused.append((cfg, str(exc)))
+                        continue
+                    if tp_comm_overlap and tp > 1 and "megatron" in parts and "sp" not in parts:
+                        refused.append((cfg, f"--tp-comm-overlap: --strategy {s} over tp={tp} has no sequence "
+                                             f"parallelism to overlap (Megatron-LM asserts sp with it)"))
                         continue
                 work.append(cfg)
                 if pp > 1 and m % pp == 0 and sizes.config is not None and sizes.layers is not None \
