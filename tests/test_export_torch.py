@@ -172,6 +172,16 @@ def test_cli_writes_the_file_atomically_and_refuses_in_one_line(tmp_path: Path,
     assert capsys.readouterr().err.strip().endswith("does not exist")
 
 
+def test_refusals_inherited_from_the_dtensor_export_name_export_torch(tmp_path: Path) -> None:
+    """The checks the torch export shares with the dtensor one name the option the user typed:
+    tp=4 over Llama's 2 kv heads leaves k / v whole beside column-parallel q (was '--export dtensor')."""
+    plan = _plan("LlamaForCausalLM", LLAMA, "dp=2,tp=4", "megatron")
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.self_attn\.k_proj\.weight: "
+                                          r"replicated over tp while model\.layers\.0\.self_attn\.q_proj"):
+        export_torch(plan, str(tmp_path / "plan.py"))
+    assert not (tmp_path / "plan.py").exists()
+
+
 def test_llama_zero1_and_zero2_map_to_fsdp2_without_resharding(tmp_path: Path) -> None:
     for st, z in (("megatron,zero1", 1), ("megatron,zero2", 2)):
         mod = _export("LlamaForCausalLM", LLAMA, "dp=2,tp=2", st, tmp_path)

@@ -236,7 +236,7 @@ class _DTensorExport:
 
     def _linear_in_out(self, p: str, how: str, out_ax: int) -> None:
         if how == "linear" and out_ax != 0:
-            raise ExportError(f"--export dtensor: {p}: read as x @ W with W [in, out] (GPT-2's Conv1D, a "
+            raise ExportError(f"{self.flag}: {p}: read as x @ W with W [in, out] (GPT-2's Conv1D, a "
                               f"preset's weights): ColwiseParallel / RowwiseParallel take nn.Linear ([out, in]) "
                               f"and nn.Embedding weights")
 
@@ -250,13 +250,13 @@ class _DTensorExport:
             (op.rule == "matmul" and op.inputs.get("y") == p)
             or (op.rule in ("embedding", "c_embedding") and op.inputs.get("weight") == p))]
         if not tied and len(layers) > 1:
-            raise ExportError(f"--export dtensor: {p}: read by {len(layers)} layers ({', '.join(op.rule for op in layers)}) "
+            raise ExportError(f"{self.flag}: {p}: read by {len(layers)} layers ({', '.join(op.rule for op in layers)}) "
                               f"and the program names no other module for it (a tied parameter in a program JSON, "
                               f"which keeps no module paths): export from --hf")
         if not tied:
             how, out_ax, _in_ax, op = weight_axes(prog, self.readers, p)
             if op is None:
-                raise ExportError(f"--export dtensor: {p}: sharded over tp ({self.placements[p][self.tp]}) but not "
+                raise ExportError(f"{self.flag}: {p}: sharded over tp ({self.placements[p][self.tp]}) but not "
                                   f"read as a Linear weight or an Embedding table: torch has no parallel style for it")
             self._linear_in_out(p, how, out_ax)
             return [(_module_of_param(p, self.fmt), how, out_ax, op)]
@@ -278,12 +278,12 @@ class _DTensorExport:
             self._linear_in_out(p, how, out_ax)
             m = self.modules.get(i, ("", ""))[0]
             if m not in paths:
-                raise ExportError(f"--export dtensor: {p} (tied with {', '.join(tied)}): read in module {m or '?'}, "
+                raise ExportError(f"{self.flag}: {p} (tied with {', '.join(tied)}): read in module {m or '?'}, "
                                   f"not one of {', '.join(sorted(paths))}")
             out.append((m, how, out_ax, op))
             self.tied_to.update({a: p for a in tied})
         if {m for m, *_ in out} != paths:
-            raise ExportError(f"--export dtensor: {p} (tied with {', '.join(tied)}): not read by every module named "
+            raise ExportError(f"{self.flag}: {p} (tied with {', '.join(tied)}): not read by every module named "
                               f"{', '.join(sorted(paths))}")
         return out
 
@@ -308,7 +308,7 @@ class _DTensorExport:
             style = self.styles[mod]["style"]
             ok = bp == Shard(0) if style == "ColwiseParallel" else bp == Replicate()
             if not ok:
-                raise ExportError(f"--export dtensor: {bias}: the plan places it {_placement_text(bp)} over tp, "
+                raise ExportError(f"{self.flag}: {bias}: the plan places it {_placement_text(bp)} over tp, "
                                   f"{style} {'Shard(0)' if style == 'ColwiseParallel' else 'Replicate()'}")
         return feeds_loss
 
@@ -364,7 +364,7 @@ class _DTensorExport:
             raise _sequence_parallel(mod, x, x_req)
         if (how == "linear" and not (x_req.is_shard() and x_req.dim == len(self.prog.tensors[x].shape) - 1)) \
                 or (how == "embedding" and not x_req.is_replicate()):
-            raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan reads its input {x} as "
+            raise ExportError(f"{self.flag}: {mod} (RowwiseParallel): the plan reads its input {x} as "
                               f"{_placement_text(x_req)} over tp, RowwiseParallel as {want}")
         dst = self._row_target(mod, how, out, colwise)
         if dst is None:
@@ -385,7 +385,7 @@ class _DTensorExport:
                 w = prog.ops[j].inputs.get("y") if prog.ops[j].rule == "matmul" else None
                 if isinstance(w, str) and w in self.placements and len(prog.tensors[w].shape) == 2 \
                         and not _tp_placement(self.plan.attrs[w], self.tp).is_shard():
-                    raise ExportError(f"--export dtensor: {w}: replicated over tp while {', '.join(mods)} reading the "
+                    raise ExportError(f"{self.flag}: {w}: replicated over tp while {', '.join(mods)} reading the "
                                       f"same input {x} are column-parallel (kv heads fewer than tp?): torch runs the "
                                       f"module's code on local shards, which would pair its whole output with their "
                                       f"shards; use a tp that divides the kv heads")
