@@ -273,6 +273,25 @@ def test_unknown_key_is_a_warning_line_and_the_model_plans(capsys: pytest.Captur
             "(check the spelling)") in cap.err.splitlines()
 
 
+def test_a_key_the_modeling_code_reads_is_not_called_ignored(capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3MoeConfig has no head_dim argument, but Qwen3-MoE's attention reads
+    ``getattr(config, "head_dim", hidden // heads)`` (Qwen3-30B-A3B's config.json: 128, not
+    2048 / 32): the key shapes the model, so no "ignored" warning; a key nothing reads still is."""
+    from spmdkit.models.hf import build
+
+    cfg = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 4,
+           "num_experts_per_tok": 2, "vocab_size": 128, "max_window_layers": 1}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = build("Qwen3MoeForCausalLM", cfg)
+    notes = [str(w.message) for w in caught if str(w.message).startswith("--hf-config")]
+    assert notes == ["--hf-config: Qwen3MoeConfig does not know 'max_window_layers': ignored (check the spelling)"]
+    assert tuple(model.model.layers[0].self_attn.q_proj.weight.shape) == (4 * 16, 32)  # head_dim 16, not 32 / 4
+    with pytest.raises(ProgramError, match=r"'head_dims' is not a key of Qwen3MoeConfig \(did you mean 'head_dim'\?\)"):
+        build("Qwen3MoeForCausalLM", {**cfg, "head_dims": 16})
+
+
 # -- tp that does not split the model evenly ---------------------------------------------------------
 
 

@@ -107,7 +107,7 @@ def model_class(class_name: str, config: Any) -> tuple[Any, Any]:
         raise ProgramError(f"hf: transformers has no model class {class_name!r}")
     cfg = load_config(config)
     cfg.pop("architectures", None)
-    check_hf_config(cfg_cls, cfg)  # one line naming the key for a bad config (models/hf_checks.py)
+    check_hf_config(cfg_cls, cfg, cls)  # one line naming the key for a bad config (models/hf_checks.py)
     try:
         conf = cfg_cls(**cfg)
     except (TypeError, ValueError) as exc:
