@@ -182,6 +182,29 @@ def test_refusals_inherited_from_the_dtensor_export_name_export_torch(tmp_path: 
     assert not (tmp_path / "plan.py").exists()
 
 
+def test_qwen3_head_norms_are_sequence_parallel_on_the_heads(tmp_path: Path) -> None:
+    """Qwen3's q_norm / k_norm run on the heads the column-parallel q_proj / k_proj make (Shard(2)
+    of [batch, seq, heads, head_dim] over tp): SequenceParallel(sequence_dim=2, use_local_output=True),
+    their weights' gradients the plan's tp all-reduces (2 a layer in the backward; it was refused as a
+    second token axis). Without a dp wrap the file reduces those Partial gradients once as they are
+    accumulated (_reduce_partial_grads_once); with FSDP2's replicate over dp it does not."""
+    from torch.distributed.tensor import Shard
+
+    qwen3 = {**LLAMA, "head_dim": 16}
+    mod = _export("Qwen3ForCausalLM", qwen3, "dp=2,tp=2", "megatron", tmp_path)
+    styles = _styles(mod)
+    for norm in ("q_norm", "k_norm"):
+        style, kw = styles[f"model.layers.*.self_attn.{norm}"]
+        assert style == "SequenceParallel" and kw["use_local_output"] is True
+        assert mod.TP_PLAN[f"model.layers.*.self_attn.{norm}"].sequence_sharding == (Shard(2),)
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 2 * 2 + 1}, "backward": {"all_reduce": 2 * 2 + 1 + 2 * 2}}
+    assert not hasattr(mod, "_reduce_partial_grads_once")
+    alone = tmp_path / "tp"
+    alone.mkdir()
+    mod = _export("Qwen3ForCausalLM", qwen3, "tp=2", "megatron", alone)
+    assert "    _reduce_partial_grads_once(model)" in (alone / "plan.py").read_text()
+
+
 def test_llama_zero1_and_zero2_map_to_fsdp2_without_resharding(tmp_path: Path) -> None:
     for st, z in (("megatron,zero1", 1), ("megatron,zero2", 2)):
         mod = _export("LlamaForCausalLM", LLAMA, "dp=2,tp=2", st, tmp_path)

@@ -122,6 +122,26 @@ def test_mixtral_sequence_parallel_fsdp_trains_as_eager() -> None:
                                                               "all_reduce": 2 + 3 + 3, "reduce_scatter_tensor": 2 + 2 + 2})
 
 
+QWEN3 = {**LLAMA, "head_dim": 8}
+
+
+def test_qwen3_head_norms_on_tp_alone_train_as_eager_under_adamw() -> None:
+    """Qwen3 (1 layer) on tp=2 alone, megatron, AdamW: q_norm / k_norm run on the heads q_proj /
+    k_proj make (SequenceParallel(sequence_dim=2, use_local_output=True): the export refused them
+    before), and with no dp wrap their Partial weight gradients are all-reduced once as they are
+    accumulated (_reduce_partial_grads_once), not at each of AdamW's 3 reads. Per step on every
+    rank: the forward's tp all-reduces (o_proj, down_proj, the embedding: 3), the backward's (q/k/v's
+    and gate/up's shared inputs, the head's input: 3; q_norm's and k_norm's weights: 2), the loss's 3."""
+    p = _launch("--mesh", "tp=2", "--strategy", "megatron", "--optimizer", "adamw", "--steps", "2", "--json",
+                config=QWEN3, cls="Qwen3ForCausalLM")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["same_initial_weights"] and len(rep["steps"]) == 2
+    for s in rep["steps"]:
+        assert abs(s["loss"] - s["eager_loss"]) <= 2e-5 * max(1.0, abs(s["eager_loss"])), s
+        assert s["collectives"] == [{"all_reduce": 3 + 3 + 2 + 3}] * 2
+
+
 def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:
     """pp=2 x tp=2, 1F1B over 2 microbatches, AdamW: the export's build_pipeline under torchrun.
     Per microbatch stage 0 (the embedding, block 0) all-reduces 3 in the forward (the embedding,

@@ -78,6 +78,14 @@ from spmdkit.program.plan import Plan
 from spmdkit.strategies.hf import data_inputs, weight_axes
 
 
+def heads_axis(prog: Any, x: str, d: int) -> bool:
+    """Axis ``d`` of ``x`` is a heads axis of ``[batch, seq, heads, head_dim]`` (neither a token
+    axis nor the features a norm reduces): Qwen3's ``q_norm`` / ``k_norm`` run on the heads a
+    column-parallel ``q_proj`` / ``k_proj`` makes, which tp shards."""
+    nd = len(prog.tensors[x].shape)
+    return nd >= 4 and 1 < d < nd - 1
+
+
 class _TorchExport(_DTensorExport):
     """The styles of the ``torch`` export: the dtensor export's, sequence parallel and
     Conv1D included (module docstring). ``self.entries``: (module path, style doc) in the order
@@ -247,6 +255,11 @@ class _TorchExport(_DTensorExport):
                 if mod in self.styles:
                     break
                 d = _tp_placement(self.plan.ops[i].required[seq[0]], tp).dim
+                if heads_axis(prog, op.inputs[seq[0]], d):  # Qwen3's q_norm / k_norm on the heads of a column layer
+                    self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=True)
+                    self.notes.append(f"{mod}: runs on the heads a column layer makes, Shard({d}) over tp: its "
+                                      f"weight a replicated DTensor, its gradient all-reduced over tp")
+                    break
                 self.token_axis(mod, "SequenceParallel", "shards its input on", d)
                 self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=False)
                 break
@@ -565,6 +578,22 @@ _CONV1D_FN = [
     "                linear.bias.copy_(conv.bias)",
     "        owner, leaf = name.rsplit(\".\", 1)",
     "        setattr(model.get_submodule(owner), leaf, linear)"]
+#: Without a dp wrap (FSDP2 reduces them over the mesh), a SequenceParallel module's replicated weight
+#: gets a Partial gradient over tp, which DTensor keeps as it is: each optimizer op reading it would
+#: all-reduce it again (AdamW: 3 a step), where the plan all-reduces it once before the update.
+_GRADS_ONCE_FN = [
+    "", "", "def _reduce_partial_grads_once(model: torch.nn.Module) -> None:",
+    "    \"\"\"Each replicated DTensor parameter's Partial gradient (a SequenceParallel norm's weight over",
+    "    tp) all-reduced once as it is accumulated, as the plan does, not at each optimizer op reading it.\"\"\"",
+    "    from torch.distributed.tensor import DTensor",
+    "",
+    "    def once(p: torch.Tensor) -> None:",
+    "        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):",
+    "            p.grad = p.grad.redistribute(placements=p.placements)",
+    "",
+    "    for p in model.parameters():",
+    "        if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements):",
+    "            p.register_post_accumulate_grad_hook(once)"]
 _FUSED_FN = [
     "", "", "def fused_order(sizes: tuple[int, ...], tp: int) -> list[int]:",
     "    \"\"\"The order of a fused weight's output features that makes rank r's contiguous block (what",
@@ -630,7 +659,7 @@ def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tu
 
 
 def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[str], dp: dict[str, Any] | None,
-                    pipe: dict[str, Any] | None, fused: bool = False) -> list[str]:
+                    pipe: dict[str, Any] | None, fused: bool = False, once: bool = False) -> list[str]:
     lines = ["", "", "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
              "    \"\"\"Apply the plan to ``model`` on ``mesh`` (MESH_DIMS, MESH_SHAPE); returns the model.\"\"\""]
     if conv:
@@ -649,6 +678,8 @@ def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[st
                      "            continue  # a pipeline stage holding one of them: its own copy (PIPELINE[\"tied\"])"]
                     if pipe is not None else []),
                   "        setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(src), src_leaf))"]
+    if once:
+        lines.append("    _reduce_partial_grads_once(model)")
     return [*lines, *_dp_lines(dp, pipe), "    return model", ""]
 
 
@@ -712,7 +743,7 @@ def torch_source(plan: Plan, command: str = "",
     dims, shape = tuple(full.dim_names), tuple(full.shape)
     pipe = by_stage = None
     if pipeline is not None:
-        sp = sorted(m for m, d in ex.styles.items() if d["style"] == "SequenceParallel")
+        sp = sorted(m for m, d in ex.styles.items() if d["style"] == "SequenceParallel" and not d["use_local_output"])
         if sp:
             raise ExportError(f"--export torch: a pipeline of a sequence-parallel plan ({sp[0]}: SequenceParallel): "
                               f"the hidden states between stages are sequence-sharded DTensors, which torch's "
@@ -753,7 +784,9 @@ def torch_source(plan: Plan, command: str = "",
     lines += _CONV1D_FN if conv else []
     lines += _FUSED_FN if fused else []
     lines += PRESENT_FN if pipe is not None else []
-    lines += _parallelize_fn(styles, after, conv, dp, pipe, bool(fused))
+    once = dp is None and any(d["style"] == "SequenceParallel" for d in [*styles.values(), *after.values()])
+    lines += _GRADS_ONCE_FN if once else []
+    lines += _parallelize_fn(styles, after, conv, dp, pipe, bool(fused), once)
     if pipe is not None:
         lines += [*pipeline_lines(pipe)[1:], ""]
     return "\n".join(lines)
