@@ -177,6 +177,14 @@ def _sequence_parallel(mod: str, name: str, pl: Any) -> ExportError:
                        f"needs two (SequenceParallel, then its output all-gathered): use --export torch")
 
 
+def heads_axis(prog: Program, x: str, d: int) -> bool:
+    """Axis ``d`` of ``x`` is a heads axis of ``[batch, seq, heads, head_dim]`` (neither a token
+    axis nor the features a norm reduces): Qwen3's ``q_norm`` / ``k_norm`` run on the heads a
+    column-parallel ``q_proj`` / ``k_proj`` makes, which tp shards."""
+    nd = len(prog.tensors[x].shape)
+    return nd >= 4 and 1 < d < nd - 1
+
+
 def _style_doc(style: str, **kw: Any) -> dict[str, Any]:
     return {"style": style, **kw}
 
@@ -390,9 +398,45 @@ class _DTensorExport:
                                       f"module's code on local shards, which would pair its whole output with their "
                                       f"shards; use a tp that divides the kv heads")
 
+    def norms_on_shards(self) -> None:
+        """A module with a replicated 1-D parameter (a norm's weight) that the plan runs on an
+        input sharded over tp, whose gradient the plan therefore all-reduces over tp: on a heads
+        axis (Qwen3's ``q_norm`` / ``k_norm``, :func:`heads_axis`) ``SequenceParallel(sequence_dim=d,
+        use_local_output=True)``, its weight a replicated DTensor whose ``Partial`` gradient DTensor
+        sums over tp; on a token axis (sequence parallel) the refusal of sp plans. Never a plain
+        module whose weight's gradient each rank keeps from its own heads."""
+        assert self.tp is not None
+        prog, tp = self.prog, self.tp
+        for p in self.params:
+            if len(prog.tensors[p].shape) != 1 or _tp_placement(self.plan.attrs[p], tp).is_shard():
+                continue
+            for i, op, _slot in self.readers.get(p, []):
+                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != p and v in prog.tensors
+                       and prog.tensors[v].kind != "parameter"
+                       and _tp_placement(self.plan.ops[i].required[k], tp).is_shard()]
+                if not seq:
+                    continue
+                mod, x = self.modules.get(i, ("", ""))[0], op.inputs[seq[0]]
+                if not mod:
+                    raise ExportError(f"{self.flag}: {p}: read on {x}, sharded over tp, and the program records "
+                                      f"no module for it (a program JSON): export from --hf")
+                if mod in self.styles:
+                    break
+                pl = _tp_placement(self.plan.ops[i].required[seq[0]], tp)
+                if not heads_axis(prog, x, pl.dim):
+                    raise _sequence_parallel(mod, x, pl)
+                d = pl.dim
+                self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=True)
+                self.notes.append(f"{mod}: runs on the heads a column layer makes, Shard({d}) over tp: its weight a "
+                                  f"replicated DTensor, its gradient Partial over tp after the backward (DTensor "
+                                  f"all-reduces it where the optimizer reads it; the plan once before the update)")
+                break
+
     def prepare_shared_inputs(self) -> None:
         """Column layers sharing one input made by one module: the module's output a
-        replicated DTensor (``PrepareModuleOutput``), its gradient all-reduced once."""
+        replicated DTensor (``PrepareModuleOutput``), its gradient all-reduced once; norms on
+        sharded inputs first (:meth:`norms_on_shards`)."""
+        self.norms_on_shards()
         for x, mods in self.column_inputs.items():
             if len(mods) < 2 or x not in self.producers:
                 continue
@@ -553,6 +597,7 @@ def load_dtensor_plan(path: str) -> dict[str, Any]:
         PrepareModuleInput,
         PrepareModuleOutput,
         RowwiseParallel,
+        SequenceParallel,
     )
 
     doc = read_document(path, "dtensor")
@@ -562,7 +607,7 @@ def load_dtensor_plan(path: str) -> dict[str, Any]:
 
     classes = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
                "PrepareModuleInput": PrepareModuleInput,
-               "PrepareModuleOutput": PrepareModuleOutput}
+               "PrepareModuleOutput": PrepareModuleOutput, "SequenceParallel": SequenceParallel}
     out: dict[str, Any] = {}
     for mod, spec in doc.get("parallelize_plan", {}).items():
         kw = {k: pl(v) for k, v in spec.items() if k != "style"}

@@ -57,6 +57,7 @@ from spmdkit.outputs.export import (
     _tp_placement,
     check_target,
     context_parallel_doc,
+    heads_axis,
     write_atomic_text,
 )
 from spmdkit.outputs.export_torch_moe import STYLE, STYLE_SOURCE, experts_styles
@@ -76,14 +77,6 @@ from spmdkit.program.ir import Op
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.hf import data_inputs, weight_axes
-
-
-def heads_axis(prog: Any, x: str, d: int) -> bool:
-    """Axis ``d`` of ``x`` is a heads axis of ``[batch, seq, heads, head_dim]`` (neither a token
-    axis nor the features a norm reduces): Qwen3's ``q_norm`` / ``k_norm`` run on the heads a
-    column-parallel ``q_proj`` / ``k_proj`` makes, which tp shards."""
-    nd = len(prog.tensors[x].shape)
-    return nd >= 4 and 1 < d < nd - 1
 
 
 class _TorchExport(_DTensorExport):
