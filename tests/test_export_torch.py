@@ -35,6 +35,7 @@ GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions
 #: GPT-2's attention kept whole over tp (its fused c_attn cannot be column-parallel in torch), the MLP megatron
 GPT2_ATTN_WHOLE = {"c_attn": "replicate", "attn.c_proj": "replicate"}
 MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
+PHI3 = {**LLAMA, "pad_token_id": 0}
 BATCH, SEQ = 4, 16
 
 
@@ -472,14 +473,15 @@ def _ranks() -> Any:
     return torch_export_ranks
 
 
-#: the five dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
+#: the six dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
 #: them all (torch_export_ranks.rank_cases: one import of torch and transformers a rank, ~30 s of
 #: CPU a launch saved per case), checked by one test (so one xdist worker runs the spawn)
 GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp,fsdp"),
               "mixtral-megatron": ("MixtralForCausalLM", MIXTRAL, "megatron"),
               "mixtral-megatron,fsdp": ("MixtralForCausalLM", MIXTRAL, "megatron,fsdp"),
               "gpt2-megatron": ("GPT2LMHeadModel", GPT2, "megatron"),
-              "gpt2-megatron,sp": ("GPT2LMHeadModel", GPT2, "megatron,sp")}
+              "gpt2-megatron,sp": ("GPT2LMHeadModel", GPT2, "megatron,sp"),
+              "phi3-megatron": ("Phi3ForCausalLM", PHI3, "megatron")}
 
 
 @pytest.fixture()
@@ -552,7 +554,9 @@ def test_exported_files_on_gloo_equal_eager(gloo_runs: dict[str, tuple[Any, Any]
     """Each case's exported parallelize on 4 gloo ranks: loss and every gradient equal eager's, the
     collectives the plan's. Llama under megatron,sp,fsdp; Mixtral's experts style written into the
     file (gate_up permuted, down Shard(2), the rows all-reduced before the combine) under megatron
-    and megatron,fsdp; GPT-2's Conv1D and tied embedding under megatron and megatron,sp."""
+    and megatron,fsdp; GPT-2's Conv1D and tied embedding under megatron and megatron,sp; Phi-3's fused
+    qkv_proj (sliced at its config's head counts, each attention given its own config with them
+    divided by tp: it ran into a matmul shape error before) and gate_up_proj under megatron."""
     failures = []
     for case, (result, mod) in gloo_runs.items():
         try:

@@ -597,7 +597,8 @@ _FUSED_FN = [
     "", "", "def _fused_per_rank(model: torch.nn.Module, tp: int) -> None:",
     "    \"\"\"Reorder each FUSED_QKV module's output features (weight rows and bias, fused_order) and make the",
     "    attention module holding it run its rank's heads: HF's GPT2Attention splits c_attn's output by",
-    "    split_size (and keeps num_heads): both divided by tp (head_dim stays).\"\"\"",
+    "    split_size (and keeps num_heads): both divided by tp (head_dim stays); Phi3Attention slices",
+    "    qkv_proj's by its config's heads and its num_key_value_heads: those divided by tp.\"\"\"",
     "    for name, linear in list(model.named_modules()):",
     "        sizes = next((v for k, v in FUSED_QKV.items() if fnmatch.fnmatchcase(name, k)), None)",
     "        if sizes is None:",
@@ -612,7 +613,16 @@ _FUSED_FN = [
     "            if hasattr(attention, attr):",
     "                if getattr(attention, attr) % tp:",
     "                    raise ValueError(f\"{name}: {attr} {getattr(attention, attr)} is not divisible by tp {tp}\")",
-    "                setattr(attention, attr, getattr(attention, attr) // tp)"]
+    "                setattr(attention, attr, getattr(attention, attr) // tp)",
+    "        if hasattr(attention, \"num_key_value_heads\") and hasattr(attention, \"config\"):",
+    "            # Phi-3's attention slices qkv_proj's output at config.num_attention_heads * head_dim and",
+    "            # self.num_key_value_heads * head_dim: its own copy of the config, both divided by tp",
+    "            conf = copy.copy(attention.config)",
+    "            for owner, attr in ((conf, \"num_attention_heads\"), (attention, \"num_key_value_heads\")):",
+    "                if getattr(owner, attr) % tp:",
+    "                    raise ValueError(f\"{name}: {attr} {getattr(owner, attr)} is not divisible by tp {tp}\")",
+    "                setattr(owner, attr, getattr(owner, attr) // tp)",
+    "            attention.config = conf"]
 _COLLECTIVES_DOC = [
     "#: The collectives the plan issues per training step over tp, as CommDebugMode counts them in the",
     "#: model's forward and backward (get_comm_counts / comm_module_counts): each of the plan's reshards is",
@@ -679,7 +689,8 @@ def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[st
 def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe: dict[str, Any] | None,
              experts: bool) -> list[str]:
     lines = ["from __future__ import annotations", ""]
-    std = [*(["import fnmatch"] if ex.conv1d or ex.fused or pipe is not None else []), *(["import types"] if experts else []),
+    std = [*(["import copy"] if ex.fused else []),
+           *(["import fnmatch"] if ex.conv1d or ex.fused or pipe is not None else []), *(["import types"] if experts else []),
            *(["from typing import Any"] if pipe is not None or experts else [])]
     lines += [*std, ""] if std else []
     lines += ["import torch", "from torch.distributed.device_mesh import DeviceMesh"]
