@@ -36,6 +36,7 @@ GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions
 GPT2_ATTN_WHOLE = {"c_attn": "replicate", "attn.c_proj": "replicate"}
 MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
 PHI3 = {**LLAMA, "pad_token_id": 0}
+GEMMA2 = {**LLAMA, "head_dim": 16}
 BATCH, SEQ = 4, 16
 
 
@@ -473,7 +474,7 @@ def _ranks() -> Any:
     return torch_export_ranks
 
 
-#: the six dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
+#: the seven dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
 #: them all (torch_export_ranks.rank_cases: one import of torch and transformers a rank, ~30 s of
 #: CPU a launch saved per case), checked by one test (so one xdist worker runs the spawn)
 GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp,fsdp"),
@@ -481,7 +482,8 @@ GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp
               "mixtral-megatron,fsdp": ("MixtralForCausalLM", MIXTRAL, "megatron,fsdp"),
               "gpt2-megatron": ("GPT2LMHeadModel", GPT2, "megatron"),
               "gpt2-megatron,sp": ("GPT2LMHeadModel", GPT2, "megatron,sp"),
-              "phi3-megatron": ("Phi3ForCausalLM", PHI3, "megatron")}
+              "phi3-megatron": ("Phi3ForCausalLM", PHI3, "megatron"),
+              "gemma2-megatron": ("Gemma2ForCausalLM", GEMMA2, "megatron")}
 
 
 @pytest.fixture()
@@ -556,7 +558,9 @@ def test_exported_files_on_gloo_equal_eager(gloo_runs: dict[str, tuple[Any, Any]
     file (gate_up permuted, down Shard(2), the rows all-reduced before the combine) under megatron
     and megatron,fsdp; GPT-2's Conv1D and tied embedding under megatron and megatron,sp; Phi-3's fused
     qkv_proj (sliced at its config's head counts, each attention given its own config with them
-    divided by tp: it ran into a matmul shape error before) and gate_up_proj under megatron."""
+    divided by tp: it ran into a matmul shape error before) and gate_up_proj under megatron; Gemma 2's
+    soft-capped logits (x / cap, tanh, x cap) kept vocab-sharded into the parallel loss (its head's
+    output was made local before, each rank's loss over half the vocabulary)."""
     failures = []
     for case, (result, mod) in gloo_runs.items():
         try:

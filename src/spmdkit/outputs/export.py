@@ -140,7 +140,8 @@ def _tp_placement(attr: TensorDistAttr, tp: int) -> Any:
 
 
 def _feeds_loss(prog: Program, readers: dict[str, list[int]], name: str) -> bool:
-    """Whether ``name`` reaches a vocab-parallel loss through views / casts / a bias add."""
+    """Whether ``name`` reaches a vocab-parallel loss through views / casts / a bias add / Gemma 2's
+    final-logit soft-capping (``tanh(logits / cap) * cap``)."""
     frontier, seen = [name], set()
     for _ in range(8):
         nxt = []
@@ -149,7 +150,7 @@ def _feeds_loss(prog: Program, readers: dict[str, list[int]], name: str) -> bool
                 op = prog.ops[i]
                 if op.rule == "c_softmax_with_cross_entropy":
                     return True
-                if op.rule in ("reshape", "cast", "slice", "add", "transpose", "scale", "multiply"):
+                if op.rule in ("reshape", "cast", "slice", "add", "transpose", "scale", "multiply", "divide", "tanh"):
                     nxt += [o for o in op.output_names() if o not in seen]
         seen.update(nxt)
         frontier = nxt
