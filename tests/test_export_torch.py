@@ -207,6 +207,21 @@ def test_qwen3_head_norms_are_sequence_parallel_on_the_heads(tmp_path: Path) -> 
     assert "    _reduce_partial_grads_once(model)" in (alone / "plan.py").read_text()
 
 
+def test_gemma2_norms_read_through_one_plus_weight_are_sequence_parallel(tmp_path: Path) -> None:
+    """Gemma 2's RMSNorm scales by ``1 + weight``: the weight is read by ``add(weight, 1)``, whose
+    output then meets the sequence-sharded activation. Under megatron,sp each of its norms is
+    SequenceParallel (found through that add), so its weight is a replicated DTensor beside the
+    DTensor input; before, it had none and every rank failed with "aten.mul.Tensor got mixed
+    torch.Tensor and DTensor"."""
+    mod = _export("Gemma2ForCausalLM", GEMMA2, "dp=2,tp=2", "megatron,sp", tmp_path)
+    styles = _styles(mod)
+    for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+        assert styles[f"model.layers.*.{norm}"] == ("SequenceParallel", {"use_local_output": False}), norm
+    assert styles["model.norm"] == ("SequenceParallel", {"use_local_output": False})
+    assert mod.TP_PLAN["model.norm"].sequence_sharding == (mod.Shard(1),)
+
+
 def test_llama_zero1_and_zero2_map_to_fsdp2_without_resharding(tmp_path: Path) -> None:
     for st, z in (("megatron,zero1", 1), ("megatron,zero2", 2)):
         mod = _export("LlamaForCausalLM", LLAMA, "dp=2,tp=2", st, tmp_path)

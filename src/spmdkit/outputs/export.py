@@ -399,6 +399,23 @@ class _DTensorExport:
                                       f"module's code on local shards, which would pair its whole output with their "
                                       f"shards; use a tp that divides the kv heads")
 
+    def weight_reads(self, p: str) -> list[tuple[int, Op, str]]:
+        """The forward ops reading parameter ``p`` (op index, op, the tensor it reads): directly,
+        or through ops whose other inputs are recorded inputs or constants (Gemma's norms read
+        ``1 + weight``: ``add(weight, 1)``, then the multiply with the activation)."""
+        prog, out, frontier = self.prog, [], [p]
+        for _ in range(4):
+            nxt = []
+            for n in frontier:
+                for i, op, _slot in self.readers.get(n, []):
+                    out.append((i, op, n))
+                    others = [v for v in op.input_names() if v != n]
+                    if len(op.output_names()) == 1 and all(v in prog.tensors and prog.tensors[v].kind == "input"
+                                                           for v in others):
+                        nxt.append(op.output_names()[0])
+            frontier = nxt
+        return out
+
     def norms_on_shards(self) -> None:
         """A module with a replicated 1-D parameter (a norm's weight) that the plan runs on an
         input sharded over tp, whose gradient the plan therefore all-reduces over tp: on a heads
@@ -411,8 +428,8 @@ class _DTensorExport:
         for p in self.params:
             if len(prog.tensors[p].shape) != 1 or _tp_placement(self.plan.attrs[p], tp).is_shard():
                 continue
-            for i, op, _slot in self.readers.get(p, []):
-                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != p and v in prog.tensors
+            for i, op, src in self.weight_reads(p):
+                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != src and v in prog.tensors
                        and prog.tensors[v].kind != "parameter"
                        and _tp_placement(self.plan.ops[i].required[k], tp).is_shard()]
                 if not seq:

@@ -235,8 +235,8 @@ class _TorchExport(_DTensorExport):
         for p in self.params:
             if len(prog.tensors[p].shape) != 1 or _tp_placement(self.plan.attrs[p], tp).is_shard():
                 continue
-            for i, op, _slot in self.readers.get(p, []):
-                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != p and v in prog.tensors
+            for i, op, src in self.weight_reads(p):
+                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != src and v in prog.tensors
                        and prog.tensors[v].kind != "parameter"
                        and _tp_placement(self.plan.ops[i].required[k], tp).is_shard()]
                 if not seq:
