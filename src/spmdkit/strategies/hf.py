@@ -83,6 +83,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import math
 import re
@@ -171,6 +172,20 @@ def check_patterns(patterns: Mapping[str, str] | Iterable[tuple[str, str]] | Non
                 raise ProgramError(f"tp pattern {k!r}: not a regular expression: {exc}") from None
         out.append((k, v))
     return out
+
+
+def warn_unmatched(prog: Program, patterns: list[tuple[str, str]]) -> None:
+    """A UserWarning naming each of the user's ``--tp-plan`` patterns that matches no module
+    holding a parameter: a misspelt module name decides nothing, and is said so."""
+    paths = {path for p in parameters(prog) for path in _module_paths(prog, p)}
+    names = sorted({path.rsplit(".", 1)[-1] for path in paths if not path.rsplit(".", 1)[-1].isdigit()})
+    for k, _ in patterns:
+        if any(_matches(k, path) for path in paths):
+            continue
+        close = difflib.get_close_matches(k.rsplit(".", 1)[-1], names, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"its modules end in {', '.join(names[:8])}"
+        warnings.warn(f"--tp-plan: {k!r} matches no module of the model holding a parameter ({hint}): it decides "
+                      f"nothing", UserWarning, stacklevel=2)
 
 
 def role_of(path: str, patterns: Iterable[tuple[str, str]]) -> str | None:
@@ -377,6 +392,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         found = block_roles(prog)
         roles = tp_roles(prog, patterns, found)
         user_pats = check_patterns(patterns)
+        warn_unmatched(prog, user_pats)
         moe = moe_projections(prog)  # the MoE layers' routers stay replicated unless the user's patterns say
         routers = {m.router for m in moe} - {p for p in roles if any(role_of(path, user_pats) for path in
                                                                     _module_paths(prog, p))}
