@@ -292,6 +292,25 @@ def test_a_key_the_modeling_code_reads_is_not_called_ignored(capsys: pytest.Capt
         build("Qwen3MoeForCausalLM", {**cfg, "head_dims": 16})
 
 
+def test_hf_config_file_that_is_no_text_or_a_model_folder(tmp_path: Path) -> None:
+    """--hf-config: a file that is not UTF-8 text is one line naming it (it was "the model does not
+    import: UnicodeDecodeError"); a model's folder is read as its config.json; a folder without
+    one is named."""
+    from spmdkit.models.hf import load_config
+
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(200, 256)))
+    with pytest.raises(ProgramError, match=r"^hf: config '.*weights\.bin' is not UTF-8 text \(.* at byte 8\): "
+                                           r"give the model's config\.json$"):
+        load_config(str(binary))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    assert load_config(str(tmp_path)) == LLAMA
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ProgramError, match=r"^hf: config '.*empty' is a folder with no config\.json in it$"):
+        load_config(str(empty))
+
+
 # -- tp that does not split the model evenly ---------------------------------------------------------
 
 
