@@ -222,6 +222,27 @@ def test_gemma2_norms_read_through_one_plus_weight_are_sequence_parallel(tmp_pat
     assert mod.TP_PLAN["model.norm"].sequence_sharding == (mod.Shard(1),)
 
 
+def test_a_whole_layer_beside_column_layers_is_refused_for_what_it_is(tmp_path: Path) -> None:
+    """A replicated layer reading the input of column-parallel ones is refused naming what it is:
+    DeepSeek-V3's router beside its shared experts, Qwen2-MoE's shared_expert_gate; the hint about
+    kv heads fewer than tp only for k / v projections (all three said 'kv heads fewer than tp?')."""
+    dsv3 = {**LLAMA, "num_key_value_heads": 4, "moe_intermediate_size": 32, "n_routed_experts": 4,
+            "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+            "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+            "v_head_dim": 16}
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.1\.mlp\.gate\.weight: the MoE router, "
+                                          r"replicated over tp, reads the input \S+ of the column-parallel "
+                                          r"model\.layers\.1\.mlp\.shared_experts\.gate_proj"):
+        export_torch(_plan("DeepseekV3ForCausalLM", dsv3, "dp=2,tp=2", "megatron"), str(tmp_path / "a.py"))
+    qwen2moe = {**LLAMA, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4,
+                "num_experts_per_tok": 2}
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.mlp\.shared_expert_gate\.weight: "
+                                          r"replicated over tp while .* are column-parallel: not exported") as err:
+        export_torch(_plan("Qwen2MoeForCausalLM", qwen2moe, "dp=2,tp=2", "megatron"), str(tmp_path / "b.py"))
+    assert "kv heads" not in str(err.value)
+    assert not list(tmp_path.iterdir())
+
+
 def test_llama_zero1_and_zero2_map_to_fsdp2_without_resharding(tmp_path: Path) -> None:
     for st, z in (("megatron,zero1", 1), ("megatron,zero2", 2)):
         mod = _export("LlamaForCausalLM", LLAMA, "dp=2,tp=2", st, tmp_path)

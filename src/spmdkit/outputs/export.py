@@ -58,6 +58,8 @@ from spmdkit.outputs.torch_cp import torch_context_parallel
 from spmdkit.program.ir import Op, Program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.hf import data_inputs, forward_readers, parameters, weight_axes
+from spmdkit.strategies.hf_moe import moe_projections
+from spmdkit.strategies.hf_roles import block_roles
 
 FORMATS = ("dtensor", "jax", "paddle")
 #: every --export format: the JSON documents above and ``torch``, a Python module
@@ -389,11 +391,22 @@ class _DTensorExport:
         heads against 1 query head)."""
         assert self.tp is not None
         prog = self.prog
+        routers = {m.router for m in moe_projections(prog)}
+        kv = block_roles(prog).kv
         for x, mods in self.column_inputs.items():
             for j in self.fwd_readers.get(x, []):
                 w = prog.ops[j].inputs.get("y") if prog.ops[j].rule == "matmul" else None
                 if isinstance(w, str) and w in self.placements and len(prog.tensors[w].shape) == 2 \
                         and not _tp_placement(self.plan.attrs[w], self.tp).is_shard():
+                    if w in routers:
+                        raise ExportError(f"{self.flag}: {w}: the MoE router, replicated over tp, reads the input {x} "
+                                          f"of the column-parallel {', '.join(mods)} (shared experts): not exported, "
+                                          f"no style of the export runs a router beside shared experts (a MoE "
+                                          f"block without them, Mixtral's or Qwen3-MoE's, is)")
+                    if w not in kv:
+                        raise ExportError(f"{self.flag}: {w}: replicated over tp while {', '.join(mods)} reading the "
+                                          f"same input {x} are column-parallel: not exported, the export has no style "
+                                          f"for a whole layer beside column layers of its input")
                     raise ExportError(f"{self.flag}: {w}: replicated over tp while {', '.join(mods)} reading the "
                                       f"same input {x} are column-parallel (kv heads fewer than tp?): torch runs the "
                                       f"module's code on local shards, which would pair its whole output with their "
