@@ -155,6 +155,19 @@ def test_a_bfloat16_model_is_compared_at_its_dtypes_tolerance() -> None:
     assert all(s["collectives"] == [{"all_reduce": ALL_REDUCES}] * 4 for s in rep["steps"])
 
 
+def test_an_export_of_another_model_class_is_refused_before_torchrun(tmp_path: Path) -> None:
+    """--torch-plan written for Llama, run with --hf Qwen3ForCausalLM: refused (exit 2, one line)
+    before torchrun starts, from the file's MODEL_CLASS. It trained before, Qwen3's q_norm / k_norm
+    unstyled (each rank's own heads' weight gradient, the plan's all-reduces missing), and passed."""
+    path = _real_export(tmp_path)
+    assert "MODEL_CLASS = 'LlamaForCausalLM'" in path.read_text()
+    p = _launch("--torch-plan", str(path), "--steps", "1", config=QWEN3, cls="Qwen3ForCausalLM")
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stderr.strip().splitlines() == [f"spmdkit run: --torch-plan {path}: planned for LlamaForCausalLM, not "
+                                             f"--hf Qwen3ForCausalLM: its styles are that model's (a module of "
+                                             f"Qwen3ForCausalLM it does not name would run unstyled)"]
+
+
 def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:
     """pp=2 x tp=2, 1F1B over 2 microbatches, AdamW: the export's build_pipeline under torchrun.
     Per microbatch stage 0 (the embedding, block 0) all-reduces 3 in the forward (the embedding,

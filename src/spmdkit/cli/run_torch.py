@@ -27,6 +27,7 @@ from spmdkit.execute.torchrun import (
     LOSS_RTOL,
     TorchrunFailed,
     export_mesh,
+    export_model_class,
     format_torch_report,
     launch_torchrun,
     torch_report,
@@ -157,8 +158,12 @@ def _run(req: RunRequest, out: TextIO) -> int:
         path, what, dims_of_batch = _export(req, folder, dtype, batch, seq)
         try:
             dims, shape = export_mesh(path)
+            planned = export_model_class(path)
         except ValueError as exc:
             raise TorchUsageError(str(exc)) from None
+        if planned is not None and planned != m.hf:
+            raise TorchUsageError(f"--torch-plan {path}: planned for {planned}, not --hf {m.hf}: its styles are that "
+                                  f"model's (a module of {m.hf} it does not name would run unstyled)")
         nproc = math.prod(shape)
         if req.nproc is not None and req.nproc != nproc:
             raise TorchUsageError(f"--nproc {req.nproc} but the export's mesh "

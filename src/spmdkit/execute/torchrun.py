@@ -47,9 +47,9 @@ class TorchrunFailed(Exception):
     error of its own written) the last lines of its stderr follow (:func:`rank_stderr_tail`)."""
 
 
-def export_mesh(path: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """``MESH_DIMS`` and ``MESH_SHAPE`` of an exported plan, read from the file's text (literal
-    assignments; the file is not run here: it imports torch)."""
+def _literals(path: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """The module-level literal assignments ``names`` of an exported plan, read from the file's
+    text (the file is not run here: it imports torch)."""
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
@@ -61,11 +61,25 @@ def export_mesh(path: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             name = node.targets[0].id
-            if name in ("MESH_DIMS", "MESH_SHAPE"):
+            if name in names:
                 try:
                     got[name] = ast.literal_eval(node.value)
                 except ValueError:
                     raise ValueError(f"--torch-plan {path}: {name} is not a literal") from None
+    return got
+
+
+def export_model_class(path: str) -> str | None:
+    """``MODEL_CLASS`` of an exported plan: the HF class it was planned for (None in an export
+    written before it was recorded)."""
+    got = _literals(path, ("MODEL_CLASS",)).get("MODEL_CLASS")
+    return got if isinstance(got, str) else None
+
+
+def export_mesh(path: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``MESH_DIMS`` and ``MESH_SHAPE`` of an exported plan, read from the file's text (literal
+    assignments; the file is not run here: it imports torch)."""
+    got = _literals(path, ("MESH_DIMS", "MESH_SHAPE"))
     for name in ("MESH_DIMS", "MESH_SHAPE"):
         if name not in got:
             raise ValueError(f"--torch-plan {path}: defines no {name} (an export of spmdkit plan --export torch)")
@@ -309,5 +323,5 @@ def format_torch_report(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["LOSS_RTOL", "MEMORY_NOTE", "TorchrunFailed", "export_mesh", "format_torch_report", "launch_torchrun",
-           "torch_report", "torchrun_command"]
+__all__ = ["LOSS_RTOL", "MEMORY_NOTE", "TorchrunFailed", "export_mesh", "export_model_class", "format_torch_report",
+           "launch_torchrun", "torch_report", "torchrun_command"]

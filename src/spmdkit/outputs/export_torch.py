@@ -645,7 +645,9 @@ _ZERO = {0: "plain data parallel: FSDP2's replicate (DDP), gradients all-reduced
 def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tuple[int, ...],
                dp: dict[str, Any] | None, n_layers: int, pipe: dict[str, Any] | None,
                by_stage: list[Any] | None, local: frozenset[str] = frozenset()) -> list[str]:
-    lines = ["", f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}", f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}"]
+    lines = ["", "#: the HF class the plan is of (spmdkit run --engine torch --torch-plan refuses another --hf)",
+             f"MODEL_CLASS = {plan.program.name or None!r}",
+             f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}", f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}"]
     if pipe is None:
         lines += ["PIPELINE = None", "", *_COLLECTIVES_DOC, *(_ROW_BIAS_DOC if local else []),
                   f"PLAN_COLLECTIVES = {tp_collectives(plan, local)!r}", ""]
