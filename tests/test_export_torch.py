@@ -510,7 +510,7 @@ def _ranks() -> Any:
     return torch_export_ranks
 
 
-#: the seven dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
+#: the eight dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
 #: them all (torch_export_ranks.rank_cases: one import of torch and transformers a rank, ~30 s of
 #: CPU a launch saved per case), checked by one test (so one xdist worker runs the spawn)
 GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp,fsdp"),
@@ -519,7 +519,8 @@ GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp
               "gpt2-megatron": ("GPT2LMHeadModel", GPT2, "megatron"),
               "gpt2-megatron,sp": ("GPT2LMHeadModel", GPT2, "megatron,sp"),
               "phi3-megatron": ("Phi3ForCausalLM", PHI3, "megatron"),
-              "gemma2-megatron": ("Gemma2ForCausalLM", GEMMA2, "megatron")}
+              "gemma2-megatron": ("Gemma2ForCausalLM", GEMMA2, "megatron"),
+              "gemma2-megatron,sp": ("Gemma2ForCausalLM", GEMMA2, "megatron,sp")}
 
 
 @pytest.fixture()
@@ -596,7 +597,9 @@ def test_exported_files_on_gloo_equal_eager(gloo_runs: dict[str, tuple[Any, Any]
     qkv_proj (sliced at its config's head counts, each attention given its own config with them
     divided by tp: it ran into a matmul shape error before) and gate_up_proj under megatron; Gemma 2's
     soft-capped logits (x / cap, tanh, x cap) kept vocab-sharded into the parallel loss (its head's
-    output was made local before, each rank's loss over half the vocabulary)."""
+    output was made local before, each rank's loss over half the vocabulary), and under megatron,sp its
+    norms SequenceParallel through their 1 + weight and its scaled embedding's partial lookup counted as
+    the all-reduce torch runs inside the module (_SCALED_DOC)."""
     failures = []
     for case, (result, mod) in gloo_runs.items():
         try:

@@ -97,6 +97,8 @@ class _TorchExport(_DTensorExport):
         self.seq_dim: int | None = self._residual_axis()
         #: row layers' biases under sequence parallel: their gradient all-reduce is the plan's only
         self.row_bias: set[str] = set()
+        #: vocab-parallel lookups scaled inside their module (Gemma's embed_scale): torch all-reduces them
+        self.scaled_lookups: set[str] = set()
 
     def tensor_parallel_dim(self) -> int | None:
         """The mesh dim named ``tp`` (None without one): torch's styles run over ``mesh["tp"]``; a
@@ -217,6 +219,8 @@ class _TorchExport(_DTensorExport):
             self.token_axis(mod, "RowwiseParallel", f"reduce-scatters its output {out} to", dst.dim)
             if how == "linear" and mod + ".bias" in self.placements:
                 self.row_bias.add(mod + ".bias")
+            if how == "embedding" and self._scaled_inside(mod, out):
+                self.scaled_lookups.add(out)
         made = self.made_as(x)
         x_in = "Replicate()" if how == "embedding" else "Shard(-1)" if made.is_shard() and made.dim == nd - 1 \
             else _placement_text(made)
@@ -224,6 +228,15 @@ class _TorchExport(_DTensorExport):
             self.row_inputs[mod] = x
         self.styles[mod] = _style_doc("RowwiseParallel", input_layouts=x_in,
                                       output_layouts=_placement_text(dst), use_local_output=not dst.is_shard())
+
+    def _scaled_inside(self, mod: str, out: str) -> bool:
+        """The lookup ``out`` is multiplied by a 0-d tensor inside its own module ``mod`` (Gemma's
+        scaled embedding: ``embedding(ids) * self.embed_scale``), before RowwiseParallel's output hook."""
+        prog = self.prog
+        return any(prog.ops[j].rule == "multiply" and self.modules.get(j, ("", ""))[0] == mod
+                   and any(v != out and v in prog.tensors and prog.tensors[v].shape == ()
+                           for v in prog.ops[j].input_names())
+                   for j in self.fwd_readers.get(out, []))
 
     def sequence_parallel_norms(self) -> None:
         """A module with a replicated 1-D parameter (a norm's weight or bias) that the plan runs
@@ -413,16 +426,19 @@ def _plan_py(name: str, styles: dict[str, dict[str, Any]], comment: str) -> list
     return lines
 
 
-def tp_collectives(plan: Plan, torch_local: frozenset[str] = frozenset()) -> dict[str, dict[str, int]]:
+def tp_collectives(plan: Plan, torch_local: frozenset[str] = frozenset(),
+                   scaled: frozenset[str] = frozenset()) -> dict[str, dict[str, int]]:
     """The plan's collectives over tp per phase (forward, backward), by the functional
     collective CommDebugMode counts: the reshards the model's modules run. A parameter gradient
     the plan reduces over tp in its gradient sync (a replicated norm weight under sequence
     parallel: partial over tp) is reduced by DTensor in torch's backward: counted there; those of
-    ``torch_local`` (a row layer's bias under sequence parallel: ``_ROW_BIAS_DOC`` says why) are not."""
+    ``torch_local`` (a row layer's bias under sequence parallel: ``_ROW_BIAS_DOC`` says why) are not;
+    the reduce-scatter of a lookup in ``scaled`` is torch's all-reduce (``_SCALED_DOC``)."""
     names = plan.mesh.dim_names
     out: dict[str, dict[str, int]] = {}
     for phase in ("forward", "backward"):
-        c = Counter(FUNCOL.get(s.kind, s.kind) for r, s in plan.collectives(phase)
+        c = Counter(FUNCOL["all_reduce" if s.kind == "reduce_scatter" and r.tensor in scaled else s.kind]
+                    if s.kind in FUNCOL else s.kind for r, s in plan.collectives(phase)
                     if any(names[d] == "tp" for d in s.mesh_dims)
                     and not (s.kind == "all_reduce" and r.tensor.removesuffix(".grad") in torch_local))
         if phase == "backward":
@@ -631,6 +647,12 @@ _COLLECTIVES_DOC = [
     "#: in its gradient sync (a norm weight under sequence parallel) DTensor reduces in the backward. The loss",
     "#: under loss_parallel() runs its own 3 all-reduces outside the model (max, sum of exponentials, the",
     "#: label's logit); the plan counts them inside its vocab-parallel cross entropy, not here."]
+_SCALED_DOC = [
+    "#: Counted as torch runs it: a vocab-parallel embedding that scales its lookup inside its own forward",
+    "#: (Gemma's embed_scale, a 0-d tensor) has DTensor all-reduce its partial output there (a partial sum",
+    "#: stays partial only through a multiply by a Python number), then RowwiseParallel's output hook keeps",
+    "#: this rank's tokens (Shard(1)) with no collective: one all_reduce in the forward where the plan",
+    "#: reduce-scatters."]
 _ROW_BIAS_DOC = [
     "#: Not counted: the plan's all-reduce of each row layer's bias gradient under sequence parallel. The plan",
     "#: (as Megatron) adds the bias after the reduce-scatter, on its tokens, and all-reduces its gradient over",
@@ -644,13 +666,14 @@ _ZERO = {0: "plain data parallel: FSDP2's replicate (DDP), gradients all-reduced
 
 def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tuple[int, ...],
                dp: dict[str, Any] | None, n_layers: int, pipe: dict[str, Any] | None,
-               by_stage: list[Any] | None, local: frozenset[str] = frozenset()) -> list[str]:
+               by_stage: list[Any] | None, local: frozenset[str] = frozenset(),
+               scaled: frozenset[str] = frozenset()) -> list[str]:
     lines = ["", "#: the HF class the plan is of (spmdkit run --engine torch --torch-plan refuses another --hf)",
              f"MODEL_CLASS = {plan.program.name or None!r}",
              f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}", f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}"]
     if pipe is None:
         lines += ["PIPELINE = None", "", *_COLLECTIVES_DOC, *(_ROW_BIAS_DOC if local else []),
-                  f"PLAN_COLLECTIVES = {tp_collectives(plan, local)!r}", ""]
+                  *(_SCALED_DOC if scaled else []), f"PLAN_COLLECTIVES = {tp_collectives(plan, local, scaled)!r}", ""]
     else:
         lines += pipeline_constants(pipe, by_stage, _COLLECTIVES_DOC)
     if dp is None:
@@ -764,7 +787,8 @@ def torch_source(plan: Plan, command: str = "",
     used = sorted({d["style"] for d in [*styles.values(), *after.values()]} - {STYLE})
     experts = any(d["style"] == STYLE for d in styles.values())
     lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe, experts),
-             *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage, frozenset(ex.row_bias))]
+             *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage, frozenset(ex.row_bias),
+                         frozenset(ex.scaled_lookups))]
     lines += [*STYLE_SOURCE.split("\n")[1:], "", ""] if experts else []
     lines += _plan_py("TP_PLAN", styles, "module path -> its style over mesh[\"tp\"] (parallelize_module; * is any layer)")
     if after:
