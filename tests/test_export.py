@@ -335,6 +335,52 @@ def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tied
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_dtensor_qwen3_head_norms_get_their_gradient_reduced_over_tp(tmp_path: Path) -> None:
+    """Qwen3's q_norm / k_norm run on the heads the column-parallel q_proj / k_proj make; the plan
+    all-reduces their weights' gradients over tp. The export gives them SequenceParallel(sequence_dim=2,
+    use_local_output=True): on a fake 2-rank tp group their weight is a replicated DTensor and its
+    gradient a Partial one (DTensor's pending sum over tp). Before, they had no style: a plain weight
+    whose gradient each rank kept from its own heads, the plan's all-reduce silently dropped."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel, loss_parallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from spmdkit.models.hf import import_hf
+    from spmdkit.outputs.export import load_dtensor_plan
+    from spmdkit.planner.planning import plan_program
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    imported, model, kw = import_hf("Qwen3ForCausalLM", {**LLAMA, "head_dim": 16}, batch=2, seq=16, seed=0)
+    _, plan = plan_program(imported, "tp=2", "megatron")
+    path = tmp_path / "plan.dtensor.json"
+    doc = export_plan(plan, "dtensor", str(path))
+    for layer in range(LLAMA["num_hidden_layers"]):
+        for norm in ("q_norm", "k_norm"):
+            assert doc["parallelize_plan"][f"model.layers.{layer}.self_attn.{norm}"] == {
+                "style": "SequenceParallel", "sequence_dim": 2, "use_local_output": True}
+    styles = load_dtensor_plan(str(path))
+    assert isinstance(styles["model.layers.0.self_attn.q_norm"], SequenceParallel)
+    assert styles["model.layers.0.self_attn.q_norm"].sequence_sharding == (Shard(2),)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        parallelize_module(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), styles)
+        with loss_parallel():
+            logits = model(**{k: v for k, v in kw.items() if k != "labels"}).logits
+            vocab = logits.shape[-1]
+            F.cross_entropy(logits[:, :-1].reshape(-1, vocab), kw["labels"][:, 1:].reshape(-1),
+                            ignore_index=-100).backward()
+        weight = model.model.layers[0].self_attn.q_norm.weight
+        assert isinstance(weight, DTensor) and weight.placements == (Replicate(),)
+        assert isinstance(weight.grad, DTensor) and weight.grad.placements == (Partial(),)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_cli_export_dtensor_of_an_hf_model(llama: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from spmdkit.cli import main
     from spmdkit.planner.planning import plan_program

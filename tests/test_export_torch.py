@@ -35,6 +35,8 @@ GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions
 #: GPT-2's attention kept whole over tp (its fused c_attn cannot be column-parallel in torch), the MLP megatron
 GPT2_ATTN_WHOLE = {"c_attn": "replicate", "attn.c_proj": "replicate"}
 MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
+PHI3 = {**LLAMA, "pad_token_id": 0}
+GEMMA2 = {**LLAMA, "head_dim": 16}
 BATCH, SEQ = 4, 16
 
 
@@ -170,6 +172,75 @@ def test_cli_writes_the_file_atomically_and_refuses_in_one_line(tmp_path: Path,
     assert not (tmp_path / "z.py").exists()
     assert main([*argv, "--export", "torch", str(tmp_path / "no" / "p.py")]) == 2
     assert capsys.readouterr().err.strip().endswith("does not exist")
+
+
+def test_refusals_inherited_from_the_dtensor_export_name_export_torch(tmp_path: Path) -> None:
+    """The checks the torch export shares with the dtensor one name the option the user typed:
+    tp=4 over Llama's 2 kv heads leaves k / v whole beside column-parallel q (was '--export dtensor')."""
+    plan = _plan("LlamaForCausalLM", LLAMA, "dp=2,tp=4", "megatron")
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.self_attn\.k_proj\.weight: "
+                                          r"replicated over tp while model\.layers\.0\.self_attn\.q_proj"):
+        export_torch(plan, str(tmp_path / "plan.py"))
+    assert not (tmp_path / "plan.py").exists()
+
+
+def test_qwen3_head_norms_are_sequence_parallel_on_the_heads(tmp_path: Path) -> None:
+    """Qwen3's q_norm / k_norm run on the heads the column-parallel q_proj / k_proj make (Shard(2)
+    of [batch, seq, heads, head_dim] over tp): SequenceParallel(sequence_dim=2, use_local_output=True),
+    their weights' gradients the plan's tp all-reduces (2 a layer in the backward; it was refused as a
+    second token axis). Without a dp wrap the file reduces those Partial gradients once as they are
+    accumulated (_reduce_partial_grads_once); with FSDP2's replicate over dp it does not."""
+    from torch.distributed.tensor import Shard
+
+    qwen3 = {**LLAMA, "head_dim": 16}
+    mod = _export("Qwen3ForCausalLM", qwen3, "dp=2,tp=2", "megatron", tmp_path)
+    styles = _styles(mod)
+    for norm in ("q_norm", "k_norm"):
+        style, kw = styles[f"model.layers.*.self_attn.{norm}"]
+        assert style == "SequenceParallel" and kw["use_local_output"] is True
+        assert mod.TP_PLAN[f"model.layers.*.self_attn.{norm}"].sequence_sharding == (Shard(2),)
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 2 * 2 + 1}, "backward": {"all_reduce": 2 * 2 + 1 + 2 * 2}}
+    assert not hasattr(mod, "_reduce_partial_grads_once")
+    alone = tmp_path / "tp"
+    alone.mkdir()
+    mod = _export("Qwen3ForCausalLM", qwen3, "tp=2", "megatron", alone)
+    assert "    _reduce_partial_grads_once(model)" in (alone / "plan.py").read_text()
+
+
+def test_gemma2_norms_read_through_one_plus_weight_are_sequence_parallel(tmp_path: Path) -> None:
+    """Gemma 2's RMSNorm scales by ``1 + weight``: the weight is read by ``add(weight, 1)``, whose
+    output then meets the sequence-sharded activation. Under megatron,sp each of its norms is
+    SequenceParallel (found through that add), so its weight is a replicated DTensor beside the
+    DTensor input; before, it had none and every rank failed with "aten.mul.Tensor got mixed
+    torch.Tensor and DTensor"."""
+    mod = _export("Gemma2ForCausalLM", GEMMA2, "dp=2,tp=2", "megatron,sp", tmp_path)
+    styles = _styles(mod)
+    for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+        assert styles[f"model.layers.*.{norm}"] == ("SequenceParallel", {"use_local_output": False}), norm
+    assert styles["model.norm"] == ("SequenceParallel", {"use_local_output": False})
+    assert mod.TP_PLAN["model.norm"].sequence_sharding == (mod.Shard(1),)
+
+
+def test_a_whole_layer_beside_column_layers_is_refused_for_what_it_is(tmp_path: Path) -> None:
+    """A replicated layer reading the input of column-parallel ones is refused naming what it is:
+    DeepSeek-V3's router beside its shared experts, Qwen2-MoE's shared_expert_gate; the hint about
+    kv heads fewer than tp only for k / v projections (all three said 'kv heads fewer than tp?')."""
+    dsv3 = {**LLAMA, "num_key_value_heads": 4, "moe_intermediate_size": 32, "n_routed_experts": 4,
+            "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+            "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+            "v_head_dim": 16}
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.1\.mlp\.gate\.weight: the MoE router, "
+                                          r"replicated over tp, reads the input \S+ of the column-parallel "
+                                          r"model\.layers\.1\.mlp\.shared_experts\.gate_proj"):
+        export_torch(_plan("DeepseekV3ForCausalLM", dsv3, "dp=2,tp=2", "megatron"), str(tmp_path / "a.py"))
+    qwen2moe = {**LLAMA, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4,
+                "num_experts_per_tok": 2}
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.mlp\.shared_expert_gate\.weight: "
+                                          r"replicated over tp while .* are column-parallel: not exported") as err:
+        export_torch(_plan("Qwen2MoeForCausalLM", qwen2moe, "dp=2,tp=2", "megatron"), str(tmp_path / "b.py"))
+    assert "kv heads" not in str(err.value)
+    assert not list(tmp_path.iterdir())
 
 
 def test_llama_zero1_and_zero2_map_to_fsdp2_without_resharding(tmp_path: Path) -> None:
@@ -439,14 +510,17 @@ def _ranks() -> Any:
     return torch_export_ranks
 
 
-#: the five dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
+#: the eight dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
 #: them all (torch_export_ranks.rank_cases: one import of torch and transformers a rank, ~30 s of
 #: CPU a launch saved per case), checked by one test (so one xdist worker runs the spawn)
 GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp,fsdp"),
               "mixtral-megatron": ("MixtralForCausalLM", MIXTRAL, "megatron"),
               "mixtral-megatron,fsdp": ("MixtralForCausalLM", MIXTRAL, "megatron,fsdp"),
               "gpt2-megatron": ("GPT2LMHeadModel", GPT2, "megatron"),
-              "gpt2-megatron,sp": ("GPT2LMHeadModel", GPT2, "megatron,sp")}
+              "gpt2-megatron,sp": ("GPT2LMHeadModel", GPT2, "megatron,sp"),
+              "phi3-megatron": ("Phi3ForCausalLM", PHI3, "megatron"),
+              "gemma2-megatron": ("Gemma2ForCausalLM", GEMMA2, "megatron"),
+              "gemma2-megatron,sp": ("Gemma2ForCausalLM", GEMMA2, "megatron,sp")}
 
 
 @pytest.fixture()
@@ -519,7 +593,13 @@ def test_exported_files_on_gloo_equal_eager(gloo_runs: dict[str, tuple[Any, Any]
     """Each case's exported parallelize on 4 gloo ranks: loss and every gradient equal eager's, the
     collectives the plan's. Llama under megatron,sp,fsdp; Mixtral's experts style written into the
     file (gate_up permuted, down Shard(2), the rows all-reduced before the combine) under megatron
-    and megatron,fsdp; GPT-2's Conv1D and tied embedding under megatron and megatron,sp."""
+    and megatron,fsdp; GPT-2's Conv1D and tied embedding under megatron and megatron,sp; Phi-3's fused
+    qkv_proj (sliced at its config's head counts, each attention given its own config with them
+    divided by tp: it ran into a matmul shape error before) and gate_up_proj under megatron; Gemma 2's
+    soft-capped logits (x / cap, tanh, x cap) kept vocab-sharded into the parallel loss (its head's
+    output was made local before, each rank's loss over half the vocabulary), and under megatron,sp its
+    norms SequenceParallel through their 1 + weight and its scaled embedding's partial lookup counted as
+    the all-reduce torch runs inside the module (_SCALED_DOC)."""
     failures = []
     for case, (result, mod) in gloo_runs.items():
         try:

@@ -181,6 +181,19 @@ def test_heads_must_divide_tp_or_a_pattern_says_otherwise(imported: Callable[[st
         tp_roles(prog, {"q_proj": "columns"})
 
 
+def test_a_tp_plan_pattern_matching_no_module_is_named(imported: Callable[[str], Any]) -> None:
+    """A --tp-plan pattern that matches no module holding a parameter (a misspelt name) decides
+    nothing: one warning naming it, with the closest module name; a matching one says nothing."""
+    prog, _m, _k = imported("llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, plan = plan_program(prog, "tp=2", "megatron", patterns={"*.qq_proj": "replicate", "*.k_proj": "replicate"})
+    said = [str(w.message) for w in caught if str(w.message).startswith("--tp-plan")]
+    assert said == ["--tp-plan: '*.qq_proj' matches no module of the model holding a parameter (did you mean "
+                    "'q_proj'?): it decides nothing"]
+    assert plan.attrs["model.layers.0.self_attn.q_proj.weight"].dims_mapping == (0, -1)  # not replicated
+
+
 def test_user_pattern_wins_and_bert_dense_layout() -> None:
     # names only (no import): BERT's dense layers and a user's override, first match wins
     from spmdkit.strategies.hf import DEFAULT_PATTERNS, role_of

@@ -273,6 +273,44 @@ def test_unknown_key_is_a_warning_line_and_the_model_plans(capsys: pytest.Captur
             "(check the spelling)") in cap.err.splitlines()
 
 
+def test_a_key_the_modeling_code_reads_is_not_called_ignored(capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3MoeConfig has no head_dim argument, but Qwen3-MoE's attention reads
+    ``getattr(config, "head_dim", hidden // heads)`` (Qwen3-30B-A3B's config.json: 128, not
+    2048 / 32): the key shapes the model, so no "ignored" warning; a key nothing reads still is."""
+    from spmdkit.models.hf import build
+
+    cfg = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 4,
+           "num_experts_per_tok": 2, "vocab_size": 128, "max_window_layers": 1}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = build("Qwen3MoeForCausalLM", cfg)
+    notes = [str(w.message) for w in caught if str(w.message).startswith("--hf-config")]
+    assert notes == ["--hf-config: Qwen3MoeConfig does not know 'max_window_layers': ignored (check the spelling)"]
+    assert tuple(model.model.layers[0].self_attn.q_proj.weight.shape) == (4 * 16, 32)  # head_dim 16, not 32 / 4
+    with pytest.raises(ProgramError, match=r"'head_dims' is not a key of Qwen3MoeConfig \(did you mean 'head_dim'\?\)"):
+        build("Qwen3MoeForCausalLM", {**cfg, "head_dims": 16})
+
+
+def test_hf_config_file_that_is_no_text_or_a_model_folder(tmp_path: Path) -> None:
+    """--hf-config: a file that is not UTF-8 text is one line naming it (it was "the model does not
+    import: UnicodeDecodeError"); a model's folder is read as its config.json; a folder without
+    one is named."""
+    from spmdkit.models.hf import load_config
+
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(200, 256)))
+    with pytest.raises(ProgramError, match=r"^hf: config '.*weights\.bin' is not UTF-8 text \(.* at byte 8\): "
+                                           r"give the model's config\.json$"):
+        load_config(str(binary))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    assert load_config(str(tmp_path)) == LLAMA
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ProgramError, match=r"^hf: config '.*empty' is a folder with no config\.json in it$"):
+        load_config(str(empty))
+
+
 # -- tp that does not split the model evenly ---------------------------------------------------------
 
 

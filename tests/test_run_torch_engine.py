@@ -122,6 +122,52 @@ def test_mixtral_sequence_parallel_fsdp_trains_as_eager() -> None:
                                                               "all_reduce": 2 + 3 + 3, "reduce_scatter_tensor": 2 + 2 + 2})
 
 
+QWEN3 = {**LLAMA, "head_dim": 8}
+
+
+def test_qwen3_head_norms_on_tp_alone_train_as_eager_under_adamw() -> None:
+    """Qwen3 (1 layer) on tp=2 alone, megatron, AdamW: q_norm / k_norm run on the heads q_proj /
+    k_proj make (SequenceParallel(sequence_dim=2, use_local_output=True): the export refused them
+    before), and with no dp wrap their Partial weight gradients are all-reduced once as they are
+    accumulated (_reduce_partial_grads_once), not at each of AdamW's 3 reads. Per step on every
+    rank: the forward's tp all-reduces (o_proj, down_proj, the embedding: 3), the backward's (q/k/v's
+    and gate/up's shared inputs, the head's input: 3; q_norm's and k_norm's weights: 2), the loss's 3."""
+    p = _launch("--mesh", "tp=2", "--strategy", "megatron", "--optimizer", "adamw", "--steps", "2", "--json",
+                config=QWEN3, cls="Qwen3ForCausalLM")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["same_initial_weights"] and len(rep["steps"]) == 2
+    for s in rep["steps"]:
+        assert abs(s["loss"] - s["eager_loss"]) <= 2e-5 * max(1.0, abs(s["eager_loss"])), s
+        assert s["collectives"] == [{"all_reduce": 3 + 3 + 2 + 3}] * 2
+
+
+def test_a_bfloat16_model_is_compared_at_its_dtypes_tolerance() -> None:
+    """--dtype bfloat16: each rank and torch eager round their own sums in bfloat16, so the losses
+    are compared within spmdkit run's bfloat16 tolerance (check.TOLERANCES, 6e-2 of the loss),
+    not float32's 2e-5, which every bfloat16 run failed (1.3e-2 apart at step 1 here)."""
+    from spmdkit.execute.check import TOLERANCES
+
+    p = _launch("--mesh", "dp=2,tp=2", "--strategy", "megatron", "--dtype", "bfloat16", "--steps", "2", "--json")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["loss_rtol"] == TOLERANCES["bfloat16"] and "bfloat16" in rep["title"]
+    assert all(s["collectives"] == [{"all_reduce": ALL_REDUCES}] * 4 for s in rep["steps"])
+
+
+def test_an_export_of_another_model_class_is_refused_before_torchrun(tmp_path: Path) -> None:
+    """--torch-plan written for Llama, run with --hf Qwen3ForCausalLM: refused (exit 2, one line)
+    before torchrun starts, from the file's MODEL_CLASS. It trained before, Qwen3's q_norm / k_norm
+    unstyled (each rank's own heads' weight gradient, the plan's all-reduces missing), and passed."""
+    path = _real_export(tmp_path)
+    assert "MODEL_CLASS = 'LlamaForCausalLM'" in path.read_text()
+    p = _launch("--torch-plan", str(path), "--steps", "1", config=QWEN3, cls="Qwen3ForCausalLM")
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stderr.strip().splitlines() == [f"spmdkit run: --torch-plan {path}: planned for LlamaForCausalLM, not "
+                                             f"--hf Qwen3ForCausalLM: its styles are that model's (a module of "
+                                             f"Qwen3ForCausalLM it does not name would run unstyled)"]
+
+
 def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:
     """pp=2 x tp=2, 1F1B over 2 microbatches, AdamW: the export's build_pipeline under torchrun.
     Per microbatch stage 0 (the embedding, block 0) all-reduces 3 in the forward (the embedding,

@@ -23,7 +23,15 @@ from spmdkit.cli.common import plan_source, strategy_notes
 from spmdkit.cli.request import HF_BATCH, HF_SEQ, RunRequest
 from spmdkit.core.dist_attr import entry_dims
 from spmdkit.core.errors import ProgramError, SpmdError
-from spmdkit.execute.torchrun import TorchrunFailed, export_mesh, format_torch_report, launch_torchrun, torch_report
+from spmdkit.execute.torchrun import (
+    LOSS_RTOL,
+    TorchrunFailed,
+    export_mesh,
+    export_model_class,
+    format_torch_report,
+    launch_torchrun,
+    torch_report,
+)
 from spmdkit.models.hf import dtype_name, load_config
 from spmdkit.models.source import HFModel
 from spmdkit.outputs.export_torch import export_torch
@@ -150,8 +158,12 @@ def _run(req: RunRequest, out: TextIO) -> int:
         path, what, dims_of_batch = _export(req, folder, dtype, batch, seq)
         try:
             dims, shape = export_mesh(path)
+            planned = export_model_class(path)
         except ValueError as exc:
             raise TorchUsageError(str(exc)) from None
+        if planned is not None and planned != m.hf:
+            raise TorchUsageError(f"--torch-plan {path}: planned for {planned}, not --hf {m.hf}: its styles are that "
+                                  f"model's (a module of {m.hf} it does not name would run unstyled)")
         nproc = math.prod(shape)
         if req.nproc is not None and req.nproc != nproc:
             raise TorchUsageError(f"--nproc {req.nproc} but the export's mesh "
@@ -165,7 +177,9 @@ def _run(req: RunRequest, out: TextIO) -> int:
         shutil.rmtree(folder, ignore_errors=True)
     title = (f"{m.hf} ({dtype}, batch {batch}, seq {seq}), {what}; {steps} step{'s' if steps != 1 else ''} of "
              f"{optimizer} (lr {lr:g})")
-    rep = torch_report(got, title)
+    from spmdkit.execute.check import TOLERANCES  # torch: loaded by the run already
+
+    rep = torch_report(got, title, TOLERANCES[dtype] if dtype in ("bfloat16", "float16") else LOSS_RTOL)
     out.write((json.dumps(rep) if req.json else format_torch_report(rep)) + "\n")
     out.flush()
     return 0 if rep["ok"] else 1

@@ -30,7 +30,9 @@ import tempfile
 import time
 from typing import Any
 
-#: the loss of a step equals torch eager's when |a - b| <= LOSS_RTOL * max(1, |b|) (float32)
+#: the loss of a step equals torch eager's when |a - b| <= LOSS_RTOL * max(1, |b|) (float32; a bfloat16 /
+#: float16 model's rtol is spmdkit run's tolerance for a tensor of its dtype, ``check.TOLERANCES``: each
+#: rank and eager round their own sums in that dtype)
 LOSS_RTOL = 2e-5
 #: the worker torchrun runs
 WORKER = "spmdkit.execute.torch_engine"
@@ -45,9 +47,9 @@ class TorchrunFailed(Exception):
     error of its own written) the last lines of its stderr follow (:func:`rank_stderr_tail`)."""
 
 
-def export_mesh(path: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """``MESH_DIMS`` and ``MESH_SHAPE`` of an exported plan, read from the file's text (literal
-    assignments; the file is not run here: it imports torch)."""
+def _literals(path: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """The module-level literal assignments ``names`` of an exported plan, read from the file's
+    text (the file is not run here: it imports torch)."""
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
@@ -59,11 +61,25 @@ def export_mesh(path: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             name = node.targets[0].id
-            if name in ("MESH_DIMS", "MESH_SHAPE"):
+            if name in names:
                 try:
                     got[name] = ast.literal_eval(node.value)
                 except ValueError:
                     raise ValueError(f"--torch-plan {path}: {name} is not a literal") from None
+    return got
+
+
+def export_model_class(path: str) -> str | None:
+    """``MODEL_CLASS`` of an exported plan: the HF class it was planned for (None in an export
+    written before it was recorded)."""
+    got = _literals(path, ("MODEL_CLASS",)).get("MODEL_CLASS")
+    return got if isinstance(got, str) else None
+
+
+def export_mesh(path: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``MESH_DIMS`` and ``MESH_SHAPE`` of an exported plan, read from the file's text (literal
+    assignments; the file is not run here: it imports torch)."""
+    got = _literals(path, ("MESH_DIMS", "MESH_SHAPE"))
     for name in ("MESH_DIMS", "MESH_SHAPE"):
         if name not in got:
             raise ValueError(f"--torch-plan {path}: defines no {name} (an export of spmdkit plan --export torch)")
@@ -244,10 +260,11 @@ def _by_ranks(per_rank: list[dict[str, int] | None]) -> str:
     return "; ".join(f"{k} (rank{'s' if len(v) > 1 else ''} {', '.join(map(str, v))})" for k, v in groups.items())
 
 
-def torch_report(got: dict[str, Any], title: str) -> dict[str, Any]:
+def torch_report(got: dict[str, Any], title: str, rtol: float = LOSS_RTOL) -> dict[str, Any]:
     """The report of a torch-engine run from rank 0's facts: per step the loss (the mean over the
     batch shards of their mean losses: each shard holds the same number of tokens) beside torch
-    eager's, and every rank's collectives beside the plan's; ``ok`` when both agree every step."""
+    eager's (equal within ``rtol`` relative), and every rank's collectives beside the plan's;
+    ``ok`` when both agree every step."""
     ranks = got["ranks"]
     steps = []
     for s, eager in enumerate(got["eager"]):
@@ -256,7 +273,7 @@ def torch_report(got: dict[str, Any], title: str) -> dict[str, Any]:
         err = None if loss is None else abs(loss - eager)
         differ = [r["rank"] for r in ranks if r["expected"] is None or r["counts"][s] != r["expected"]]
         steps.append({"step": s + 1, "loss": loss, "eager_loss": eager, "abs_error": err,
-                      "loss_within": err is not None and err <= LOSS_RTOL * max(1.0, abs(eager)),
+                      "loss_within": err is not None and err <= rtol * max(1.0, abs(eager)),
                       "collectives": [r["counts"][s] for r in ranks], "collectives_differ_on_ranks": differ,
                       "collectives_match": not differ})
     same_start = len({r.get("weights_sum") for r in ranks}) == 1
@@ -268,7 +285,7 @@ def torch_report(got: dict[str, Any], title: str) -> dict[str, Any]:
             "ok": losses_ok and coll_ok, "losses_match": losses_ok, "collectives_match": coll_ok,
             "same_initial_weights": same_start,
             "loss": steps[-1]["loss"] if steps else None, "reference_loss": got["eager"][-1] if steps else None,
-            "loss_rtol": LOSS_RTOL, "steps": steps, "plan_collectives": [r["expected"] for r in ranks],
+            "loss_rtol": rtol, "steps": steps, "plan_collectives": [r["expected"] for r in ranks],
             "memory": [{"rank": r["rank"], "max_rss_bytes": r["max_rss_bytes"], **r["state_bytes"],
                         **({"cuda_max_allocated_bytes": r["cuda_max_allocated_bytes"]}
                            if "cuda_max_allocated_bytes" in r else {})} for r in ranks],
@@ -306,5 +323,5 @@ def format_torch_report(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["LOSS_RTOL", "MEMORY_NOTE", "TorchrunFailed", "export_mesh", "format_torch_report", "launch_torchrun",
-           "torch_report", "torchrun_command"]
+__all__ = ["LOSS_RTOL", "MEMORY_NOTE", "TorchrunFailed", "export_mesh", "export_model_class", "format_torch_report",
+           "launch_torchrun", "torch_report", "torchrun_command"]

@@ -38,17 +38,26 @@ def _transformers() -> Any:
 
 def load_config(config: Any) -> dict[str, Any]:
     """A config as a dict: a mapping, a JSON object text, or the path of a JSON file (an HF
-    ``config.json``)."""
+    ``config.json``, or the model folder holding it)."""
     if isinstance(config, Mapping):
         return dict(config)
     if not isinstance(config, str):
         raise ProgramError(f"hf: config must be a dict, a JSON object or a JSON file path, got {type(config).__name__}")
     text = config
     if not config.lstrip().startswith("{"):
-        if not os.path.isfile(config):
+        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+        if os.path.isdir(config) and not os.path.isfile(path):
+            raise ProgramError(f"hf: config {config!r} is a folder with no config.json in it")
+        if not os.path.isfile(path):
             raise ProgramError(f"hf: config {config!r} is neither a JSON object nor an existing file")
-        with open(config, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as exc:
+            raise ProgramError(f"hf: config {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start}): "
+                               f"give the model's config.json") from None
+        except OSError as exc:
+            raise ProgramError(f"hf: config {path!r} cannot be read: {exc.strerror or exc}") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -107,7 +116,7 @@ def model_class(class_name: str, config: Any) -> tuple[Any, Any]:
         raise ProgramError(f"hf: transformers has no model class {class_name!r}")
     cfg = load_config(config)
     cfg.pop("architectures", None)
-    check_hf_config(cfg_cls, cfg)  # one line naming the key for a bad config (models/hf_checks.py)
+    check_hf_config(cfg_cls, cfg, cls)  # one line naming the key for a bad config (models/hf_checks.py)
     try:
         conf = cfg_cls(**cfg)
     except (TypeError, ValueError) as exc:

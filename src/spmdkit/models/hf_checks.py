@@ -15,9 +15,11 @@ key, never a traceback from deep in transformers and never a silently different 
 - **Heads divide the hidden size** (unless the class has an explicit head size, ``head_dim``
   or T5's ``d_kv``) and **kv heads divide the heads**; the padding token is in the vocabulary,
   the experts per token at most the experts, a rotary head size even.
-- **A key the class does not know** that is close to one it knows (``num_attention_head``) is
-  an error naming both; any other unknown key is a warning naming it (a UserWarning starting
-  ``--hf-config``, printed by the CLI as one ``warning:`` line): it changes nothing in the model.
+- **A key the class does not know** (nor the model's modeling module reads: Qwen3-MoE's
+  ``head_dim`` is no argument of its config class, but its attention reads it) that is close to
+  one it knows (``num_attention_head``) is an error naming both; any other unknown key is a
+  warning naming it (a UserWarning starting ``--hf-config``, printed by the CLI as one
+  ``warning:`` line): it changes nothing in the model.
   Keys every published ``config.json`` carries (:data:`METADATA`) are neither.
 - Whatever the config class still rejects is one line naming the class.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any, TypeGuard
@@ -107,10 +110,23 @@ def _init_defaults(cls: type) -> dict[str, Any]:
     return out
 
 
-class _Schema:
-    """What a config class knows: its keys with their defaults, its aliases (``attribute_map``)."""
+def _read_by_model(model_cls: type | None) -> set[str]:
+    """The config keys the model's modeling module reads (``config.KEY``, ``getattr(config, "KEY"``):
+    a key its config class does not declare still shapes the model there (Qwen3-MoE's ``head_dim``:
+    ``getattr(config, "head_dim", hidden_size // num_attention_heads)`` in its attention)."""
+    module = inspect.getmodule(model_cls) if model_cls is not None else None
+    try:
+        src = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return set()
+    return set(re.findall(r"\bconfig\.(\w+)", src)) | set(re.findall(r"getattr\(\s*(?:self\.)?config,\s*[\"'](\w+)", src))
 
-    def __init__(self, cfg_cls: type) -> None:
+
+class _Schema:
+    """What a config class knows: its keys with their defaults, its aliases (``attribute_map``),
+    and the keys the model class's own module reads from its config."""
+
+    def __init__(self, cfg_cls: type, model_cls: type | None = None) -> None:
         self.name = cfg_cls.__name__
         self.alias: dict[str, str] = dict(getattr(cfg_cls, "attribute_map", {}) or {})
         self.alias.update(LEGACY.get(str(getattr(cfg_cls, "model_type", "")), {}))
@@ -121,7 +137,7 @@ class _Schema:
         init = _init_defaults(cfg_cls)
         #: key -> default, as the signature says where it says (a derived default is None there)
         self.defaults: dict[str, Any] = {**made, **{k: v for k, v in init.items() if k in made or not made}}
-        self.known = set(made) | set(init) | set(self.alias) | METADATA
+        self.known = set(made) | set(init) | set(self.alias) | METADATA | _read_by_model(model_cls)
 
     def key(self, name: str) -> str:
         """The class's own spelling of ``name`` (``hidden_size`` -> ``n_embd`` for GPT-2)."""
@@ -254,11 +270,11 @@ def _check_mtp(s: _Schema, cfg: Mapping[str, Any]) -> None:
                           UserWarning, stacklevel=3)
 
 
-def check_hf_config(cfg_cls: type, cfg: Mapping[str, Any]) -> None:
+def check_hf_config(cfg_cls: type, cfg: Mapping[str, Any], model_cls: type | None = None) -> None:
     """ProgramError (one line naming the key) for a config ``cfg`` (the keys given) that
     ``cfg_cls`` would reject, build into a traceback or silently complete with its defaults;
-    a UserWarning for a key it does not know (see the module docstring)."""
-    s = _Schema(cfg_cls)
+    a UserWarning for a key neither it nor ``model_cls``'s module knows (see the module docstring)."""
+    s = _Schema(cfg_cls, model_cls)
     _check_keys(s, cfg)
     values = _check_sizes(s, cfg)
     _check_shapes(s, cfg, values)

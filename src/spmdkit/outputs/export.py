@@ -57,7 +57,9 @@ from spmdkit.outputs.dtensor_ep import expert_note, expert_parallel_statement
 from spmdkit.outputs.torch_cp import torch_context_parallel
 from spmdkit.program.ir import Op, Program
 from spmdkit.program.plan import Plan
+from spmdkit.strategies.hf_moe import moe_projections
 from spmdkit.strategies.hf_program import data_inputs, forward_readers, parameters, weight_axes
+from spmdkit.strategies.hf_roles import block_roles
 
 FORMATS = ("dtensor", "jax", "paddle")
 #: every --export format: the JSON documents above and ``torch``, a Python module
@@ -140,7 +142,8 @@ def _tp_placement(attr: TensorDistAttr, tp: int) -> Any:
 
 
 def _feeds_loss(prog: Program, readers: dict[str, list[int]], name: str) -> bool:
-    """Whether ``name`` reaches a vocab-parallel loss through views / casts / a bias add."""
+    """Whether ``name`` reaches a vocab-parallel loss through views / casts / a bias add / Gemma 2's
+    final-logit soft-capping (``tanh(logits / cap) * cap``)."""
     frontier, seen = [name], set()
     for _ in range(8):
         nxt = []
@@ -149,7 +152,7 @@ def _feeds_loss(prog: Program, readers: dict[str, list[int]], name: str) -> bool
                 op = prog.ops[i]
                 if op.rule == "c_softmax_with_cross_entropy":
                     return True
-                if op.rule in ("reshape", "cast", "slice", "add", "transpose", "scale", "multiply"):
+                if op.rule in ("reshape", "cast", "slice", "add", "transpose", "scale", "multiply", "divide", "tanh"):
                     nxt += [o for o in op.output_names() if o not in seen]
         seen.update(nxt)
         frontier = nxt
@@ -177,6 +180,14 @@ def _sequence_parallel(mod: str, name: str, pl: Any) -> ExportError:
     return ExportError(f"--export dtensor: {mod}: the plan holds {name} as {_placement_text(pl)} over tp (sequence "
                        f"parallel): a parallelize_module plan holds one style per module and a sequence-parallel norm "
                        f"needs two (SequenceParallel, then its output all-gathered): use --export torch")
+
+
+def heads_axis(prog: Program, x: str, d: int) -> bool:
+    """Axis ``d`` of ``x`` is a heads axis of ``[batch, seq, heads, head_dim]`` (neither a token
+    axis nor the features a norm reduces): Qwen3's ``q_norm`` / ``k_norm`` run on the heads a
+    column-parallel ``q_proj`` / ``k_proj`` makes, which tp shards."""
+    nd = len(prog.tensors[x].shape)
+    return nd >= 4 and 1 < d < nd - 1
 
 
 def _style_doc(style: str, **kw: Any) -> dict[str, Any]:
@@ -238,7 +249,7 @@ class _DTensorExport:
 
     def _linear_in_out(self, p: str, how: str, out_ax: int) -> None:
         if how == "linear" and out_ax != 0:
-            raise ExportError(f"--export dtensor: {p}: read as x @ W with W [in, out] (GPT-2's Conv1D, a "
+            raise ExportError(f"{self.flag}: {p}: read as x @ W with W [in, out] (GPT-2's Conv1D, a "
                               f"preset's weights): ColwiseParallel / RowwiseParallel take nn.Linear ([out, in]) "
                               f"and nn.Embedding weights")
 
@@ -252,13 +263,13 @@ class _DTensorExport:
             (op.rule == "matmul" and op.inputs.get("y") == p)
             or (op.rule in ("embedding", "c_embedding") and op.inputs.get("weight") == p))]
         if not tied and len(layers) > 1:
-            raise ExportError(f"--export dtensor: {p}: read by {len(layers)} layers ({', '.join(op.rule for op in layers)}) "
+            raise ExportError(f"{self.flag}: {p}: read by {len(layers)} layers ({', '.join(op.rule for op in layers)}) "
                               f"and the program names no other module for it (a tied parameter in a program JSON, "
                               f"which keeps no module paths): export from --hf")
         if not tied:
             how, out_ax, _in_ax, op = weight_axes(prog, self.readers, p)
             if op is None:
-                raise ExportError(f"--export dtensor: {p}: sharded over tp ({self.placements[p][self.tp]}) but not "
+                raise ExportError(f"{self.flag}: {p}: sharded over tp ({self.placements[p][self.tp]}) but not "
                                   f"read as a Linear weight or an Embedding table: torch has no parallel style for it")
             self._linear_in_out(p, how, out_ax)
             return [(_module_of_param(p, self.fmt), how, out_ax, op)]
@@ -280,12 +291,12 @@ class _DTensorExport:
             self._linear_in_out(p, how, out_ax)
             m = self.modules.get(i, ("", ""))[0]
             if m not in paths:
-                raise ExportError(f"--export dtensor: {p} (tied with {', '.join(tied)}): read in module {m or '?'}, "
+                raise ExportError(f"{self.flag}: {p} (tied with {', '.join(tied)}): read in module {m or '?'}, "
                                   f"not one of {', '.join(sorted(paths))}")
             out.append((m, how, out_ax, op))
             self.tied_to.update({a: p for a in tied})
         if {m for m, *_ in out} != paths:
-            raise ExportError(f"--export dtensor: {p} (tied with {', '.join(tied)}): not read by every module named "
+            raise ExportError(f"{self.flag}: {p} (tied with {', '.join(tied)}): not read by every module named "
                               f"{', '.join(sorted(paths))}")
         return out
 
@@ -310,7 +321,7 @@ class _DTensorExport:
             style = self.styles[mod]["style"]
             ok = bp == Shard(0) if style == "ColwiseParallel" else bp == Replicate()
             if not ok:
-                raise ExportError(f"--export dtensor: {bias}: the plan places it {_placement_text(bp)} over tp, "
+                raise ExportError(f"{self.flag}: {bias}: the plan places it {_placement_text(bp)} over tp, "
                                   f"{style} {'Shard(0)' if style == 'ColwiseParallel' else 'Replicate()'}")
         return feeds_loss
 
@@ -366,7 +377,7 @@ class _DTensorExport:
             raise _sequence_parallel(mod, x, x_req)
         if (how == "linear" and not (x_req.is_shard() and x_req.dim == len(self.prog.tensors[x].shape) - 1)) \
                 or (how == "embedding" and not x_req.is_replicate()):
-            raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan reads its input {x} as "
+            raise ExportError(f"{self.flag}: {mod} (RowwiseParallel): the plan reads its input {x} as "
                               f"{_placement_text(x_req)} over tp, RowwiseParallel as {want}")
         dst = self._row_target(mod, how, out, colwise)
         if dst is None:
@@ -382,19 +393,83 @@ class _DTensorExport:
         heads against 1 query head)."""
         assert self.tp is not None
         prog = self.prog
+        routers = {m.router for m in moe_projections(prog)}
+        kv = block_roles(prog).kv
         for x, mods in self.column_inputs.items():
             for j in self.fwd_readers.get(x, []):
                 w = prog.ops[j].inputs.get("y") if prog.ops[j].rule == "matmul" else None
                 if isinstance(w, str) and w in self.placements and len(prog.tensors[w].shape) == 2 \
                         and not _tp_placement(self.plan.attrs[w], self.tp).is_shard():
-                    raise ExportError(f"--export dtensor: {w}: replicated over tp while {', '.join(mods)} reading the "
+                    if w in routers:
+                        raise ExportError(f"{self.flag}: {w}: the MoE router, replicated over tp, reads the input {x} "
+                                          f"of the column-parallel {', '.join(mods)} (shared experts): not exported, "
+                                          f"no style of the export runs a router beside shared experts (a MoE "
+                                          f"block without them, Mixtral's or Qwen3-MoE's, is)")
+                    if w not in kv:
+                        raise ExportError(f"{self.flag}: {w}: replicated over tp while {', '.join(mods)} reading the "
+                                          f"same input {x} are column-parallel: not exported, the export has no style "
+                                          f"for a whole layer beside column layers of its input")
+                    raise ExportError(f"{self.flag}: {w}: replicated over tp while {', '.join(mods)} reading the "
                                       f"same input {x} are column-parallel (kv heads fewer than tp?): torch runs the "
                                       f"module's code on local shards, which would pair its whole output with their "
                                       f"shards; use a tp that divides the kv heads")
 
+    def weight_reads(self, p: str) -> list[tuple[int, Op, str]]:
+        """The forward ops reading parameter ``p`` (op index, op, the tensor it reads): directly,
+        or through ops whose other inputs are recorded inputs or constants (Gemma's norms read
+        ``1 + weight``: ``add(weight, 1)``, then the multiply with the activation)."""
+        prog, out, frontier = self.prog, [], [p]
+        for _ in range(4):
+            nxt = []
+            for n in frontier:
+                for i, op, _slot in self.readers.get(n, []):
+                    out.append((i, op, n))
+                    others = [v for v in op.input_names() if v != n]
+                    if len(op.output_names()) == 1 and all(v in prog.tensors and prog.tensors[v].kind == "input"
+                                                           for v in others):
+                        nxt.append(op.output_names()[0])
+            frontier = nxt
+        return out
+
+    def norms_on_shards(self) -> None:
+        """A module with a replicated 1-D parameter (a norm's weight) that the plan runs on an
+        input sharded over tp, whose gradient the plan therefore all-reduces over tp: on a heads
+        axis (Qwen3's ``q_norm`` / ``k_norm``, :func:`heads_axis`) ``SequenceParallel(sequence_dim=d,
+        use_local_output=True)``, its weight a replicated DTensor whose ``Partial`` gradient DTensor
+        sums over tp; on a token axis (sequence parallel) the refusal of sp plans. Never a plain
+        module whose weight's gradient each rank keeps from its own heads."""
+        assert self.tp is not None
+        prog, tp = self.prog, self.tp
+        for p in self.params:
+            if len(prog.tensors[p].shape) != 1 or _tp_placement(self.plan.attrs[p], tp).is_shard():
+                continue
+            for i, op, src in self.weight_reads(p):
+                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != src and v in prog.tensors
+                       and prog.tensors[v].kind != "parameter"
+                       and _tp_placement(self.plan.ops[i].required[k], tp).is_shard()]
+                if not seq:
+                    continue
+                mod, x = self.modules.get(i, ("", ""))[0], op.inputs[seq[0]]
+                if not mod:
+                    raise ExportError(f"{self.flag}: {p}: read on {x}, sharded over tp, and the program records "
+                                      f"no module for it (a program JSON): export from --hf")
+                if mod in self.styles:
+                    break
+                pl = _tp_placement(self.plan.ops[i].required[seq[0]], tp)
+                if not heads_axis(prog, x, pl.dim):
+                    raise _sequence_parallel(mod, x, pl)
+                d = pl.dim
+                self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=True)
+                self.notes.append(f"{mod}: runs on the heads a column layer makes, Shard({d}) over tp: its weight a "
+                                  f"replicated DTensor, its gradient Partial over tp after the backward (DTensor "
+                                  f"all-reduces it where the optimizer reads it; the plan once before the update)")
+                break
+
     def prepare_shared_inputs(self) -> None:
         """Column layers sharing one input made by one module: the module's output a
-        replicated DTensor (``PrepareModuleOutput``), its gradient all-reduced once."""
+        replicated DTensor (``PrepareModuleOutput``), its gradient all-reduced once; norms on
+        sharded inputs first (:meth:`norms_on_shards`)."""
+        self.norms_on_shards()
         for x, mods in self.column_inputs.items():
             if len(mods) < 2 or x not in self.producers:
                 continue
@@ -555,6 +630,7 @@ def load_dtensor_plan(path: str) -> dict[str, Any]:
         PrepareModuleInput,
         PrepareModuleOutput,
         RowwiseParallel,
+        SequenceParallel,
     )
 
     doc = read_document(path, "dtensor")
@@ -564,7 +640,7 @@ def load_dtensor_plan(path: str) -> dict[str, Any]:
 
     classes = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
                "PrepareModuleInput": PrepareModuleInput,
-               "PrepareModuleOutput": PrepareModuleOutput}
+               "PrepareModuleOutput": PrepareModuleOutput, "SequenceParallel": SequenceParallel}
     out: dict[str, Any] = {}
     for mod, spec in doc.get("parallelize_plan", {}).items():
         kw = {k: pl(v) for k, v in spec.items() if k != "style"}

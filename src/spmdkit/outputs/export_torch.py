@@ -57,6 +57,7 @@ from spmdkit.outputs.export import (
     _tp_placement,
     check_target,
     context_parallel_doc,
+    heads_axis,
     write_atomic_text,
 )
 from spmdkit.outputs.export_torch_moe import STYLE, STYLE_SOURCE, experts_styles
@@ -96,6 +97,8 @@ class _TorchExport(_DTensorExport):
         self.seq_dim: int | None = self._residual_axis()
         #: row layers' biases under sequence parallel: their gradient all-reduce is the plan's only
         self.row_bias: set[str] = set()
+        #: vocab-parallel lookups scaled inside their module (Gemma's embed_scale): torch all-reduces them
+        self.scaled_lookups: set[str] = set()
 
     def tensor_parallel_dim(self) -> int | None:
         """The mesh dim named ``tp`` (None without one): torch's styles run over ``mesh["tp"]``; a
@@ -216,6 +219,8 @@ class _TorchExport(_DTensorExport):
             self.token_axis(mod, "RowwiseParallel", f"reduce-scatters its output {out} to", dst.dim)
             if how == "linear" and mod + ".bias" in self.placements:
                 self.row_bias.add(mod + ".bias")
+            if how == "embedding" and self._scaled_inside(mod, out):
+                self.scaled_lookups.add(out)
         made = self.made_as(x)
         x_in = "Replicate()" if how == "embedding" else "Shard(-1)" if made.is_shard() and made.dim == nd - 1 \
             else _placement_text(made)
@@ -223,6 +228,15 @@ class _TorchExport(_DTensorExport):
             self.row_inputs[mod] = x
         self.styles[mod] = _style_doc("RowwiseParallel", input_layouts=x_in,
                                       output_layouts=_placement_text(dst), use_local_output=not dst.is_shard())
+
+    def _scaled_inside(self, mod: str, out: str) -> bool:
+        """The lookup ``out`` is multiplied by a 0-d tensor inside its own module ``mod`` (Gemma's
+        scaled embedding: ``embedding(ids) * self.embed_scale``), before RowwiseParallel's output hook."""
+        prog = self.prog
+        return any(prog.ops[j].rule == "multiply" and self.modules.get(j, ("", ""))[0] == mod
+                   and any(v != out and v in prog.tensors and prog.tensors[v].shape == ()
+                           for v in prog.ops[j].input_names())
+                   for j in self.fwd_readers.get(out, []))
 
     def sequence_parallel_norms(self) -> None:
         """A module with a replicated 1-D parameter (a norm's weight or bias) that the plan runs
@@ -234,8 +248,8 @@ class _TorchExport(_DTensorExport):
         for p in self.params:
             if len(prog.tensors[p].shape) != 1 or _tp_placement(self.plan.attrs[p], tp).is_shard():
                 continue
-            for i, op, _slot in self.readers.get(p, []):
-                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != p and v in prog.tensors
+            for i, op, src in self.weight_reads(p):
+                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != src and v in prog.tensors
                        and prog.tensors[v].kind != "parameter"
                        and _tp_placement(self.plan.ops[i].required[k], tp).is_shard()]
                 if not seq:
@@ -247,6 +261,11 @@ class _TorchExport(_DTensorExport):
                 if mod in self.styles:
                     break
                 d = _tp_placement(self.plan.ops[i].required[seq[0]], tp).dim
+                if heads_axis(prog, op.inputs[seq[0]], d):  # Qwen3's q_norm / k_norm on the heads of a column layer
+                    self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=True)
+                    self.notes.append(f"{mod}: runs on the heads a column layer makes, Shard({d}) over tp: its "
+                                      f"weight a replicated DTensor, its gradient all-reduced over tp")
+                    break
                 self.token_axis(mod, "SequenceParallel", "shards its input on", d)
                 self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=False)
                 break
@@ -407,16 +426,19 @@ def _plan_py(name: str, styles: dict[str, dict[str, Any]], comment: str) -> list
     return lines
 
 
-def tp_collectives(plan: Plan, torch_local: frozenset[str] = frozenset()) -> dict[str, dict[str, int]]:
+def tp_collectives(plan: Plan, torch_local: frozenset[str] = frozenset(),
+                   scaled: frozenset[str] = frozenset()) -> dict[str, dict[str, int]]:
     """The plan's collectives over tp per phase (forward, backward), by the functional
     collective CommDebugMode counts: the reshards the model's modules run. A parameter gradient
     the plan reduces over tp in its gradient sync (a replicated norm weight under sequence
     parallel: partial over tp) is reduced by DTensor in torch's backward: counted there; those of
-    ``torch_local`` (a row layer's bias under sequence parallel: ``_ROW_BIAS_DOC`` says why) are not."""
+    ``torch_local`` (a row layer's bias under sequence parallel: ``_ROW_BIAS_DOC`` says why) are not;
+    the reduce-scatter of a lookup in ``scaled`` is torch's all-reduce (``_SCALED_DOC``)."""
     names = plan.mesh.dim_names
     out: dict[str, dict[str, int]] = {}
     for phase in ("forward", "backward"):
-        c = Counter(FUNCOL.get(s.kind, s.kind) for r, s in plan.collectives(phase)
+        c = Counter(FUNCOL["all_reduce" if s.kind == "reduce_scatter" and r.tensor in scaled else s.kind]
+                    if s.kind in FUNCOL else s.kind for r, s in plan.collectives(phase)
                     if any(names[d] == "tp" for d in s.mesh_dims)
                     and not (s.kind == "all_reduce" and r.tensor.removesuffix(".grad") in torch_local))
         if phase == "backward":
@@ -565,6 +587,22 @@ _CONV1D_FN = [
     "                linear.bias.copy_(conv.bias)",
     "        owner, leaf = name.rsplit(\".\", 1)",
     "        setattr(model.get_submodule(owner), leaf, linear)"]
+#: Without a dp wrap (FSDP2 reduces them over the mesh), a SequenceParallel module's replicated weight
+#: gets a Partial gradient over tp, which DTensor keeps as it is: each optimizer op reading it would
+#: all-reduce it again (AdamW: 3 a step), where the plan all-reduces it once before the update.
+_GRADS_ONCE_FN = [
+    "", "", "def _reduce_partial_grads_once(model: torch.nn.Module) -> None:",
+    "    \"\"\"Each replicated DTensor parameter's Partial gradient (a SequenceParallel norm's weight over",
+    "    tp) all-reduced once as it is accumulated, as the plan does, not at each optimizer op reading it.\"\"\"",
+    "    from torch.distributed.tensor import DTensor",
+    "",
+    "    def once(p: torch.Tensor) -> None:",
+    "        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):",
+    "            p.grad = p.grad.redistribute(placements=p.placements)",
+    "",
+    "    for p in model.parameters():",
+    "        if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements):",
+    "            p.register_post_accumulate_grad_hook(once)"]
 _FUSED_FN = [
     "", "", "def fused_order(sizes: tuple[int, ...], tp: int) -> list[int]:",
     "    \"\"\"The order of a fused weight's output features that makes rank r's contiguous block (what",
@@ -575,7 +613,8 @@ _FUSED_FN = [
     "", "", "def _fused_per_rank(model: torch.nn.Module, tp: int) -> None:",
     "    \"\"\"Reorder each FUSED_QKV module's output features (weight rows and bias, fused_order) and make the",
     "    attention module holding it run its rank's heads: HF's GPT2Attention splits c_attn's output by",
-    "    split_size (and keeps num_heads): both divided by tp (head_dim stays).\"\"\"",
+    "    split_size (and keeps num_heads): both divided by tp (head_dim stays); Phi3Attention slices",
+    "    qkv_proj's by its config's heads and its num_key_value_heads: those divided by tp.\"\"\"",
     "    for name, linear in list(model.named_modules()):",
     "        sizes = next((v for k, v in FUSED_QKV.items() if fnmatch.fnmatchcase(name, k)), None)",
     "        if sizes is None:",
@@ -590,7 +629,16 @@ _FUSED_FN = [
     "            if hasattr(attention, attr):",
     "                if getattr(attention, attr) % tp:",
     "                    raise ValueError(f\"{name}: {attr} {getattr(attention, attr)} is not divisible by tp {tp}\")",
-    "                setattr(attention, attr, getattr(attention, attr) // tp)"]
+    "                setattr(attention, attr, getattr(attention, attr) // tp)",
+    "        if hasattr(attention, \"num_key_value_heads\") and hasattr(attention, \"config\"):",
+    "            # Phi-3's attention slices qkv_proj's output at config.num_attention_heads * head_dim and",
+    "            # self.num_key_value_heads * head_dim: its own copy of the config, both divided by tp",
+    "            conf = copy.copy(attention.config)",
+    "            for owner, attr in ((conf, \"num_attention_heads\"), (attention, \"num_key_value_heads\")):",
+    "                if getattr(owner, attr) % tp:",
+    "                    raise ValueError(f\"{name}: {attr} {getattr(owner, attr)} is not divisible by tp {tp}\")",
+    "                setattr(owner, attr, getattr(owner, attr) // tp)",
+    "            attention.config = conf"]
 _COLLECTIVES_DOC = [
     "#: The collectives the plan issues per training step over tp, as CommDebugMode counts them in the",
     "#: model's forward and backward (get_comm_counts / comm_module_counts): each of the plan's reshards is",
@@ -599,6 +647,12 @@ _COLLECTIVES_DOC = [
     "#: in its gradient sync (a norm weight under sequence parallel) DTensor reduces in the backward. The loss",
     "#: under loss_parallel() runs its own 3 all-reduces outside the model (max, sum of exponentials, the",
     "#: label's logit); the plan counts them inside its vocab-parallel cross entropy, not here."]
+_SCALED_DOC = [
+    "#: Counted as torch runs it: a vocab-parallel embedding that scales its lookup inside its own forward",
+    "#: (Gemma's embed_scale, a 0-d tensor) has DTensor all-reduce its partial output there (a partial sum",
+    "#: stays partial only through a multiply by a Python number), then RowwiseParallel's output hook keeps",
+    "#: this rank's tokens (Shard(1)) with no collective: one all_reduce in the forward where the plan",
+    "#: reduce-scatters."]
 _ROW_BIAS_DOC = [
     "#: Not counted: the plan's all-reduce of each row layer's bias gradient under sequence parallel. The plan",
     "#: (as Megatron) adds the bias after the reduce-scatter, on its tokens, and all-reduces its gradient over",
@@ -612,11 +666,14 @@ _ZERO = {0: "plain data parallel: FSDP2's replicate (DDP), gradients all-reduced
 
 def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tuple[int, ...],
                dp: dict[str, Any] | None, n_layers: int, pipe: dict[str, Any] | None,
-               by_stage: list[Any] | None, local: frozenset[str] = frozenset()) -> list[str]:
-    lines = ["", f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}", f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}"]
+               by_stage: list[Any] | None, local: frozenset[str] = frozenset(),
+               scaled: frozenset[str] = frozenset()) -> list[str]:
+    lines = ["", "#: the HF class the plan is of (spmdkit run --engine torch --torch-plan refuses another --hf)",
+             f"MODEL_CLASS = {plan.program.name or None!r}",
+             f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}", f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}"]
     if pipe is None:
         lines += ["PIPELINE = None", "", *_COLLECTIVES_DOC, *(_ROW_BIAS_DOC if local else []),
-                  f"PLAN_COLLECTIVES = {tp_collectives(plan, local)!r}", ""]
+                  *(_SCALED_DOC if scaled else []), f"PLAN_COLLECTIVES = {tp_collectives(plan, local, scaled)!r}", ""]
     else:
         lines += pipeline_constants(pipe, by_stage, _COLLECTIVES_DOC)
     if dp is None:
@@ -630,7 +687,7 @@ def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tu
 
 
 def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[str], dp: dict[str, Any] | None,
-                    pipe: dict[str, Any] | None, fused: bool = False) -> list[str]:
+                    pipe: dict[str, Any] | None, fused: bool = False, once: bool = False) -> list[str]:
     lines = ["", "", "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
              "    \"\"\"Apply the plan to ``model`` on ``mesh`` (MESH_DIMS, MESH_SHAPE); returns the model.\"\"\""]
     if conv:
@@ -649,13 +706,16 @@ def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[st
                      "            continue  # a pipeline stage holding one of them: its own copy (PIPELINE[\"tied\"])"]
                     if pipe is not None else []),
                   "        setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(src), src_leaf))"]
+    if once:
+        lines.append("    _reduce_partial_grads_once(model)")
     return [*lines, *_dp_lines(dp, pipe), "    return model", ""]
 
 
 def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe: dict[str, Any] | None,
              experts: bool) -> list[str]:
     lines = ["from __future__ import annotations", ""]
-    std = [*(["import fnmatch"] if ex.conv1d or ex.fused or pipe is not None else []), *(["import types"] if experts else []),
+    std = [*(["import copy"] if ex.fused else []),
+           *(["import fnmatch"] if ex.conv1d or ex.fused or pipe is not None else []), *(["import types"] if experts else []),
            *(["from typing import Any"] if pipe is not None or experts else [])]
     lines += [*std, ""] if std else []
     lines += ["import torch", "from torch.distributed.device_mesh import DeviceMesh"]
@@ -712,7 +772,7 @@ def torch_source(plan: Plan, command: str = "",
     dims, shape = tuple(full.dim_names), tuple(full.shape)
     pipe = by_stage = None
     if pipeline is not None:
-        sp = sorted(m for m, d in ex.styles.items() if d["style"] == "SequenceParallel")
+        sp = sorted(m for m, d in ex.styles.items() if d["style"] == "SequenceParallel" and not d["use_local_output"])
         if sp:
             raise ExportError(f"--export torch: a pipeline of a sequence-parallel plan ({sp[0]}: SequenceParallel): "
                               f"the hidden states between stages are sequence-sharded DTensors, which torch's "
@@ -727,7 +787,8 @@ def torch_source(plan: Plan, command: str = "",
     used = sorted({d["style"] for d in [*styles.values(), *after.values()]} - {STYLE})
     experts = any(d["style"] == STYLE for d in styles.values())
     lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe, experts),
-             *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage, frozenset(ex.row_bias))]
+             *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage, frozenset(ex.row_bias),
+                         frozenset(ex.scaled_lookups))]
     lines += [*STYLE_SOURCE.split("\n")[1:], "", ""] if experts else []
     lines += _plan_py("TP_PLAN", styles, "module path -> its style over mesh[\"tp\"] (parallelize_module; * is any layer)")
     if after:
@@ -753,7 +814,9 @@ def torch_source(plan: Plan, command: str = "",
     lines += _CONV1D_FN if conv else []
     lines += _FUSED_FN if fused else []
     lines += PRESENT_FN if pipe is not None else []
-    lines += _parallelize_fn(styles, after, conv, dp, pipe, bool(fused))
+    once = dp is None and any(d["style"] == "SequenceParallel" for d in [*styles.values(), *after.values()])
+    lines += _GRADS_ONCE_FN if once else []
+    lines += _parallelize_fn(styles, after, conv, dp, pipe, bool(fused), once)
     if pipe is not None:
         lines += [*pipeline_lines(pipe)[1:], ""]
     return "\n".join(lines)

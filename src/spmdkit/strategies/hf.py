@@ -100,7 +100,15 @@ from spmdkit.strategies.experts import (
 )
 from spmdkit.strategies.hf_fused import fused_parts, split_fused_projections
 from spmdkit.strategies.hf_moe import moe_projections, shard_experts
-from spmdkit.strategies.hf_patterns import DEFAULT_PATTERNS, KV_NAMES, ROLES, check_patterns, role_of, tp_roles
+from spmdkit.strategies.hf_patterns import (
+    DEFAULT_PATTERNS,
+    KV_NAMES,
+    ROLES,
+    check_patterns,
+    role_of,
+    tp_roles,
+    warn_unmatched,
+)
 from spmdkit.strategies.hf_program import (
     data_inputs,
     forward_readers,
@@ -162,6 +170,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         found = block_roles(prog)
         roles = tp_roles(prog, patterns, found)
         user_pats = check_patterns(patterns)
+        warn_unmatched(prog, user_pats)
         moe = moe_projections(prog)  # the MoE layers' routers stay replicated unless the user's patterns say
         routers = {m.router for m in moe} - {p for p in roles if any(role_of(path, user_pats) for path in
                                                                     module_paths(prog, p))}

@@ -25,8 +25,10 @@ Standard library only.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 
 from spmdkit.core.errors import ProgramError
@@ -83,6 +85,20 @@ def check_patterns(patterns: Mapping[str, str] | Iterable[tuple[str, str]] | Non
     return out
 
 
+def warn_unmatched(prog: Program, patterns: list[tuple[str, str]]) -> None:
+    """A UserWarning naming each of the user's ``--tp-plan`` patterns that matches no module
+    holding a parameter: a misspelt module name decides nothing, and is said so."""
+    paths = {path for p in parameters(prog) for path in module_paths(prog, p)}
+    names = sorted({path.rsplit(".", 1)[-1] for path in paths if not path.rsplit(".", 1)[-1].isdigit()})
+    for k, _ in patterns:
+        if any(_matches(k, path) for path in paths):
+            continue
+        close = difflib.get_close_matches(k.rsplit(".", 1)[-1], names, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"its modules end in {', '.join(names[:8])}"
+        warnings.warn(f"--tp-plan: {k!r} matches no module of the model holding a parameter ({hint}): it decides "
+                      f"nothing", UserWarning, stacklevel=2)
+
+
 def role_of(path: str, patterns: Iterable[tuple[str, str]]) -> str | None:
     """The role of the module ``path`` under ``patterns`` (first match), else None."""
     for k, v in patterns:
@@ -131,4 +147,4 @@ def tp_roles(prog: Program, patterns: Mapping[str, str] | Iterable[tuple[str, st
     return out
 
 
-__all__ = ["DEFAULT_PATTERNS", "KV_NAMES", "ROLES", "check_patterns", "role_of", "tp_roles"]
+__all__ = ["DEFAULT_PATTERNS", "KV_NAMES", "ROLES", "check_patterns", "role_of", "tp_roles", "warn_unmatched"]
