@@ -594,7 +594,7 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
     states = sum(b[2] for b in held.values())
     (deltas,) = activation_deltas(plan, saved)
     peak, at, curve = peak_of(deltas, len(prog.ops))
-    merged = merged_curve(plan, saved, curve)  # --ep-comm-overlap's merged steps: the partner's layers beside
+    merged = merged_curve(plan, curve)  # --ep-comm-overlap's merged steps: the partner's layers beside
     if merged is not curve:
         curve = merged
         at = max(range(len(curve)), key=curve.__getitem__)
