@@ -368,3 +368,26 @@ def test_a_pipeline_stage_stashes_the_head_layout_output_per_microbatch(capsys: 
     a2a, ring = stages("alltoall", "none"), stages("ring", "none")
     assert [(a[0] - r[0], a[1] - r[1]) for a, r in zip(a2a, ring)] == [(512, 512), (512, 512)]
     assert [a[0] for a in stages("alltoall", "full")] == [a[0] for a in stages("ring", "full")]
+
+
+def test_a_layout_change_over_one_rank_is_not_a_kept_copy() -> None:
+    """An annotated output resharded after its op only over a mesh dim of one rank (``dp`` in the
+    strategy of a ``dp=1`` mesh: a residual add's output made batch-sharded over that rank, a
+    layout change that makes no copy) is the op's output itself, not a copy of its own kept for a
+    later reader of the op's layout, as alltoall's head-layout output is: a ring cp plan stashes
+    none (the Megatron-MoE-ModelZoo Qwen3-235B cp8 rows, so planned: 57.1 GiB; counted as copies,
+    63.3; here 131,072 bytes a stage, one [32, 2048] bf16 residual)."""
+    from spmdkit.cost.memory import output_copies, stashed_output_copies
+    from spmdkit.cost.memory_fsdp2 import makes_no_copy
+    from spmdkit.cost.memory_saved import saved_activations
+    from spmdkit.planner.pipeline_plan import plan_pipeline
+    from spmdkit.planner.pipeline_split import op_stages
+
+    _, plan, _spec, counts, _ = plan_pipeline("qwen3-30b-a3b", "pp=2,dp=1,cp=2,ep=2,tp=2",
+                                              "dp,ep,megatron,sp,cp,zero1,etp=1,cp-attention=ring,ep-from=cp",
+                                              {"microbatches": 4}, {"layers": 2, "batch": 4, "seq": 256})
+    same = {r.tensor for r in plan.reshards if r.output and plan.annotations.get(r.tensor) == r.dst
+            and makes_no_copy(plan, r)}
+    assert {"layers.0.resid1", "layers.0.resid2"} <= same
+    assert not same & {n for n, _ in output_copies(plan)}
+    assert stashed_output_copies(plan, saved_activations(plan, "none"), op_stages(plan.program, counts)) == {}

@@ -454,8 +454,11 @@ def output_copies(plan: Plan) -> dict[tuple[str, TensorDistAttr], int]:
     """(tensor, layout) -> the op that made it: an annotated output's own copy, which the op makes
     in that layout and the plan reshards after it; a later reader of that layout shares it, so it
     is kept to that reader (planner/propagate.py: alltoall attention's head-layout output, held
-    for its grad: Transformer Engine's ``out_part``, DeepSpeed-Ulysses' local attention's output)."""
-    return {(r.tensor, r.src): r.op_index for r in plan.reshards if r.output and plan.annotations.get(r.tensor) == r.dst}
+    for its grad: Transformer Engine's ``out_part``, DeepSpeed-Ulysses' local attention's output).
+    Not where the reshard makes no copy (:func:`makes_no_copy`: a layout change over a mesh dim of
+    one rank, ``dp=1``'s batch entry of a residual add's output): the op's output is that tensor."""
+    return {(r.tensor, r.src): r.op_index for r in plan.reshards
+            if r.output and plan.annotations.get(r.tensor) == r.dst and not makes_no_copy(plan, r)}
 
 
 def stashed_output_copies(plan: Plan, saved: ActivationMemory, stages: list[int]) -> dict[int, int]:
@@ -470,13 +473,14 @@ def stashed_output_copies(plan: Plan, saved: ActivationMemory, stages: list[int]
     prog = plan.program
     rerun = {i for region in saved.recomputed for i in region}
     load = plan_loads(plan)
+    vin = all_value_inputs(prog)
     out: dict[int, int] = {}
     seen: set[tuple[str, TensorDistAttr]] = set()
     for r in plan.reshards:
         made = raw.get((r.tensor, r.dst)) if r.shared and not r.output else None
         s = stages[r.op_index]
         if made is None or made in rerun or stages[made] != s or prog.ops[r.op_index].phase != "backward" or \
-                (r.tensor, r.dst) in seen:
+                (r.tensor, r.dst) in seen or makes_no_copy(plan, r) or r.tensor not in vin[r.op_index]:
             continue
         seen.add((r.tensor, r.dst))
         t = prog.tensors[r.tensor]
