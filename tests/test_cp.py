@@ -389,5 +389,25 @@ def test_a_layout_change_over_one_rank_is_not_a_kept_copy() -> None:
     same = {r.tensor for r in plan.reshards if r.output and plan.annotations.get(r.tensor) == r.dst
             and makes_no_copy(plan, r)}
     assert {"layers.0.resid1", "layers.0.resid2"} <= same
-    assert not same & {n for n, _ in output_copies(plan)}
-    assert stashed_output_copies(plan, saved_activations(plan, "none"), op_stages(plan.program, counts)) == {}
+    saved = saved_activations(plan, "none")
+    assert not same & {n for n, _ in output_copies(plan, saved)}
+    assert stashed_output_copies(plan, saved, op_stages(plan.program, counts)) == {}
+
+
+def test_a_norm_output_kept_as_its_shard_is_not_kept_again_for_a_reader_of_the_shard() -> None:
+    """Sequence parallelism's norm output is all-gathered after its op and kept for the backward as
+    its shard, gathered again there (Megatron saves the sharded input; memory_saved.saved_activations'
+    ``regathered``): DeepSeek-V2-Lite's MoE layer (megatron,sp,ep on dp=2,ep=2,tp=2; 256 tokens) keeps
+    ``mlp_norm.out`` as 1 sequence x 128 tokens x 2,048 x 2 bytes = 524,288. Its router's weight
+    gradient reads that shard (the norm's own layout): the same tensor, not a copy of the op's own
+    held beside it as alltoall's head-layout output is (which the activation curve held from the norm
+    to the router's grad, 524,288 bytes over 59 ops, and a pipeline stage would have stashed)."""
+    from spmdkit.cost.memory import output_copies
+    from spmdkit.cost.memory_saved import saved_activations
+
+    _, plan, _ = plan_model("deepseek-v2-lite", "dp=2,ep=2,tp=2", "megatron,sp,ep", {"layers": 2, "seq": 256, "batch": 4})
+    saved = saved_activations(plan, "none")
+    n = "layers.1.mlp_norm.out"
+    assert (n, 524_288) in saved.tensors["layer 1"] and n in {t for t, _ in saved.regathered}
+    assert any(r.shared and r.tensor == n and plan.program.ops[r.op_index].rule == "matmul_grad" for r in plan.reshards)
+    assert n not in {t for t, _ in output_copies(plan, saved)}

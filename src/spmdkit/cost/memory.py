@@ -401,7 +401,7 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     root = root_reshard(plan) if groups == 1 else 0
     held_root: dict[str, tuple[int, TensorDistAttr]] = {}
     again = regathers(plan)  # a cp attention's K / V gathered again for its grad: a copy of its own
-    raw = output_copies(plan)
+    raw = output_copies(plan, saved)
     rerun = {i for region in saved.recomputed for i in region}
     for k, r in enumerate(plan.reshards):
         if makes_no_copy(plan, r):
@@ -450,15 +450,21 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     return deltas
 
 
-def output_copies(plan: Plan) -> dict[tuple[str, TensorDistAttr], int]:
+def output_copies(plan: Plan, saved: ActivationMemory) -> dict[tuple[str, TensorDistAttr], int]:
     """(tensor, layout) -> the op that made it: an annotated output's own copy, which the op makes
     in that layout and the plan reshards after it; a later reader of that layout shares it, so it
     is kept to that reader (planner/propagate.py: alltoall attention's head-layout output, held
     for its grad: Transformer Engine's ``out_part``, DeepSpeed-Ulysses' local attention's output).
     Not where the reshard makes no copy (:func:`makes_no_copy`: a layout change over a mesh dim of
-    one rank, ``dp=1``'s batch entry of a residual add's output): the op's output is that tensor."""
+    one rank, ``dp=1``'s batch entry of a residual add's output): the op's output is that tensor;
+    nor where the backward keeps the tensor as that shard and gathers it again (``saved``'s
+    ``regathered``: sequence parallelism's norm output, all-gathered after its op, which Megatron
+    saves sharded; a reader of the shard, DeepSeek's router beside its shared experts, reads the
+    tensor already counted kept, :func:`~spmdkit.cost.memory_saved.saved_activations`)."""
+    again = {(n, i) for n, i in saved.regathered}
     return {(r.tensor, r.src): r.op_index for r in plan.reshards
-            if r.output and plan.annotations.get(r.tensor) == r.dst and not makes_no_copy(plan, r)}
+            if r.output and plan.annotations.get(r.tensor) == r.dst and not makes_no_copy(plan, r)
+            and (r.tensor, r.op_index) not in again}
 
 
 def stashed_output_copies(plan: Plan, saved: ActivationMemory, stages: list[int]) -> dict[int, int]:
@@ -467,7 +473,7 @@ def stashed_output_copies(plan: Plan, saved: ActivationMemory, stages: list[int]
     stash beside :attr:`ActivationMemory.tensors`, which holds each tensor once in its planned
     layout. A pipeline stage holds one per microbatch in flight, as :func:`activation_deltas`
     holds it in the one microbatch's curve."""
-    raw = output_copies(plan)
+    raw = output_copies(plan, saved)
     if not raw:
         return {}
     prog = plan.program
