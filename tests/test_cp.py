@@ -348,3 +348,66 @@ def test_an_imported_program_is_refused_under_cp_by_name() -> None:
         plan_program(prog, "dp=2,cp=2", "dp,cp")
     assert str(e.value) == ("--mesh cp=2: the imported program has no cp_attention (import it with cp: "
                             "--strategy ...,cp on --hf)")
+
+
+def test_a_pipeline_stage_stashes_the_head_layout_output_per_microbatch(capsys: pytest.CaptureFixture[str]) -> None:
+    """The head-layout output alltoall keeps for its grad (above) is kept by every microbatch in
+    flight, not only by the one whose curve is the working peak: a stage of one tiny-llama layer
+    (microbatch 2 of batch 8, [2, 8, 2, 4] float32 = 512 bytes) stashes 512 bytes more than the
+    ring plan's, as its working peak holds 512 more; under full recompute nothing more (the
+    attention runs again right before its grad). It was stashed as the ring plan's (the copy held
+    in the working curve only)."""
+    from spmdkit.cli import main
+
+    def stages(attention: str, recompute: str) -> list[tuple[int, int]]:
+        assert main(["plan", "--model", "tiny-llama", "--mesh", "pp=2,cp=2", "--strategy",
+                     f"cp,cp-attention={attention}", "--microbatches", "4", "--batch", "8",
+                     "--recompute", recompute, "--json"]) == 0
+        return [(s["stash_bytes"], s["working_peak"]) for s in json.loads(capsys.readouterr().out)["pipeline"]["stages"]]
+
+    a2a, ring = stages("alltoall", "none"), stages("ring", "none")
+    assert [(a[0] - r[0], a[1] - r[1]) for a, r in zip(a2a, ring)] == [(512, 512), (512, 512)]
+    assert [a[0] for a in stages("alltoall", "full")] == [a[0] for a in stages("ring", "full")]
+
+
+def test_a_layout_change_over_one_rank_is_not_a_kept_copy() -> None:
+    """An annotated output resharded after its op only over a mesh dim of one rank (``dp`` in the
+    strategy of a ``dp=1`` mesh: a residual add's output made batch-sharded over that rank, a
+    layout change that makes no copy) is the op's output itself, not a copy of its own kept for a
+    later reader of the op's layout, as alltoall's head-layout output is: a ring cp plan stashes
+    none (the Megatron-MoE-ModelZoo Qwen3-235B cp8 rows, so planned: 57.1 GiB; counted as copies,
+    63.3; here 131,072 bytes a stage, one [32, 2048] bf16 residual)."""
+    from spmdkit.cost.memory import output_copies, stashed_output_copies
+    from spmdkit.cost.memory_fsdp2 import makes_no_copy
+    from spmdkit.cost.memory_saved import saved_activations
+    from spmdkit.planner.pipeline_plan import plan_pipeline
+    from spmdkit.planner.pipeline_split import op_stages
+
+    _, plan, _spec, counts, _ = plan_pipeline("qwen3-30b-a3b", "pp=2,dp=1,cp=2,ep=2,tp=2",
+                                              "dp,ep,megatron,sp,cp,zero1,etp=1,cp-attention=ring,ep-from=cp",
+                                              {"microbatches": 4}, {"layers": 2, "batch": 4, "seq": 256})
+    same = {r.tensor for r in plan.reshards if r.output and plan.annotations.get(r.tensor) == r.dst
+            and makes_no_copy(plan, r)}
+    assert {"layers.0.resid1", "layers.0.resid2"} <= same
+    saved = saved_activations(plan, "none")
+    assert not same & {n for n, _ in output_copies(plan, saved)}
+    assert stashed_output_copies(plan, saved, op_stages(plan.program, counts)) == {}
+
+
+def test_a_norm_output_kept_as_its_shard_is_not_kept_again_for_a_reader_of_the_shard() -> None:
+    """Sequence parallelism's norm output is all-gathered after its op and kept for the backward as
+    its shard, gathered again there (Megatron saves the sharded input; memory_saved.saved_activations'
+    ``regathered``): DeepSeek-V2-Lite's MoE layer (megatron,sp,ep on dp=2,ep=2,tp=2; 256 tokens) keeps
+    ``mlp_norm.out`` as 1 sequence x 128 tokens x 2,048 x 2 bytes = 524,288. Its router's weight
+    gradient reads that shard (the norm's own layout): the same tensor, not a copy of the op's own
+    held beside it as alltoall's head-layout output is (which the activation curve held from the norm
+    to the router's grad, 524,288 bytes over 59 ops, and a pipeline stage would have stashed)."""
+    from spmdkit.cost.memory import output_copies
+    from spmdkit.cost.memory_saved import saved_activations
+
+    _, plan, _ = plan_model("deepseek-v2-lite", "dp=2,ep=2,tp=2", "megatron,sp,ep", {"layers": 2, "seq": 256, "batch": 4})
+    saved = saved_activations(plan, "none")
+    n = "layers.1.mlp_norm.out"
+    assert (n, 524_288) in saved.tensors["layer 1"] and n in {t for t, _ in saved.regathered}
+    assert any(r.shared and r.tensor == n and plan.program.ops[r.op_index].rule == "matmul_grad" for r in plan.reshards)
+    assert n not in {t for t, _ in output_copies(plan, saved)}

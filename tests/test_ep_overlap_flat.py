@@ -7,6 +7,7 @@ stage (spmdkit.planner.ep_overlap.flat_overlap); the plan's step, report line an
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -131,3 +132,26 @@ def test_refusals_without_experts_and_under_the_search(capsys: pytest.CaptureFix
     assert main(["plan", "--devices", "8", "--model", "mixtral-8x7b", "--ep-comm-overlap"]) == 2
     assert "--ep-comm-overlap: applies to one plan (--mesh with ep, with or without pp); the --devices search does " \
         "not choose it" in capsys.readouterr().err
+
+
+def test_the_partner_holds_its_embedding_output_beside_the_output_layers_backward() -> None:
+    """Megatron-Core's ``TransformerModelChunkSchedulePlan.run`` (d98e8a64dd,
+    ``megatron/core/models/common/model_chunk_schedule_plan.py``) runs the partner's
+    ``f_input = f_schedule_plan.pre_process.forward()`` before ``b_schedule_plan.post_process
+    .backward(b_grad)``: at every op of the output layer's backward the partner holds its embedding
+    output, 2 sequences a rank (batch 8 over dp x ep = 4) x 1,024 tokens x 4,096 x 2 bytes =
+    16,777,216 (it was left out: 0); at the last layer's backward, paired with the partner's layer 0,
+    at least what the partner holds at that layer's end: the activations layer 0 keeps (the embedding
+    output among them) and the stream it passes on (layer 0's output, 16,777,216 bytes), which the
+    partner was counted without."""
+    from spmdkit.cost.memory import memory_per_device
+    from spmdkit.planner.planning import plan_preset
+
+    _, plan, _ = plan_preset("mixtral-8x7b", "dp=1,ep=4", "dp,ep", {"layers": 2, "seq": 1024, "batch": 8}, grad_accum=2)
+    flat = memory_per_device(plan)
+    merged = memory_per_device(replace(plan, runtime=replace(plan.runtime, ep_comm_overlap=True)))
+    ops = plan.program.ops
+    grown = [(op.layer, b - a) for op, a, b in zip(ops, flat.curve, merged.curve) if op.phase == "backward"]
+    stream = 2 * 1024 * 4096 * 2
+    assert {d for lay, d in grown if not lay.startswith("layer") and lay != "embedding"} == {stream}
+    assert min(d for lay, d in grown if lay == "layer 1") >= flat.saved.layer("layer 0") + stream

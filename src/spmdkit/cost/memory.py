@@ -401,9 +401,7 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     root = root_reshard(plan) if groups == 1 else 0
     held_root: dict[str, tuple[int, TensorDistAttr]] = {}
     again = regathers(plan)  # a cp attention's K / V gathered again for its grad: a copy of its own
-    # an annotated output's own copy, kept after its op for a reader of that layout (the shared reshard,
-    # planner/propagate.py: alltoall attention's head-layout output held for its grad)
-    raw = {(r.tensor, r.src): r.op_index for r in plan.reshards if r.output and plan.annotations.get(r.tensor) == r.dst}
+    raw = output_copies(plan, saved)
     rerun = {i for region in saved.recomputed for i in region}
     for k, r in enumerate(plan.reshards):
         if makes_no_copy(plan, r):
@@ -450,6 +448,50 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
         add(grp[i], i, i, fwd * elems)
         add(grp[j], j, j, bwd * elems)
     return deltas
+
+
+def output_copies(plan: Plan, saved: ActivationMemory) -> dict[tuple[str, TensorDistAttr], int]:
+    """(tensor, layout) -> the op that made it: an annotated output's own copy, which the op makes
+    in that layout and the plan reshards after it; a later reader of that layout shares it, so it
+    is kept to that reader (planner/propagate.py: alltoall attention's head-layout output, held
+    for its grad: Transformer Engine's ``out_part``, DeepSpeed-Ulysses' local attention's output).
+    Not where the reshard makes no copy (:func:`makes_no_copy`: a layout change over a mesh dim of
+    one rank, ``dp=1``'s batch entry of a residual add's output): the op's output is that tensor;
+    nor where the backward keeps the tensor as that shard and gathers it again (``saved``'s
+    ``regathered``: sequence parallelism's norm output, all-gathered after its op, which Megatron
+    saves sharded; a reader of the shard, DeepSeek's router beside its shared experts, reads the
+    tensor already counted kept, :func:`~spmdkit.cost.memory_saved.saved_activations`)."""
+    again = {(n, i) for n, i in saved.regathered}
+    return {(r.tensor, r.src): r.op_index for r in plan.reshards
+            if r.output and plan.annotations.get(r.tensor) == r.dst and not makes_no_copy(plan, r)
+            and (r.tensor, r.op_index) not in again}
+
+
+def stashed_output_copies(plan: Plan, saved: ActivationMemory, stages: list[int]) -> dict[int, int]:
+    """Stage -> the bytes of the :func:`output_copies` one microbatch keeps from its forward to a
+    backward reader in the same stage (not where the op that made it runs again, recomputed):
+    stash beside :attr:`ActivationMemory.tensors`, which holds each tensor once in its planned
+    layout. A pipeline stage holds one per microbatch in flight, as :func:`activation_deltas`
+    holds it in the one microbatch's curve."""
+    raw = output_copies(plan, saved)
+    if not raw:
+        return {}
+    prog = plan.program
+    rerun = {i for region in saved.recomputed for i in region}
+    load = plan_loads(plan)
+    vin = all_value_inputs(prog)
+    out: dict[int, int] = {}
+    seen: set[tuple[str, TensorDistAttr]] = set()
+    for r in plan.reshards:
+        made = raw.get((r.tensor, r.dst)) if r.shared and not r.output else None
+        s = stages[r.op_index]
+        if made is None or made in rerun or stages[made] != s or prog.ops[r.op_index].phase != "backward" or \
+                (r.tensor, r.dst) in seen or makes_no_copy(plan, r) or r.tensor not in vin[r.op_index]:
+            continue
+        seen.add((r.tensor, r.dst))
+        t = prog.tensors[r.tensor]
+        out[s] = out.get(s, 0) + round(local_numel(r.dst, t.shape) * t.itemsize * load.get(r.tensor, 1.0))
+    return out
 
 
 def _layer_blocks(prog: Program, grp: list[int]) -> tuple[dict[tuple[str, str], list[int]], dict[tuple[str, str], int]]:
@@ -562,7 +604,7 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
     states = sum(b[2] for b in held.values())
     (deltas,) = activation_deltas(plan, saved)
     peak, at, curve = peak_of(deltas, len(prog.ops))
-    merged = merged_curve(plan, saved, curve)  # --ep-comm-overlap's merged steps: the partner's layers beside
+    merged = merged_curve(plan, curve)  # --ep-comm-overlap's merged steps: the partner's layers beside
     if merged is not curve:
         curve = merged
         at = max(range(len(curve)), key=curve.__getitem__)
@@ -570,4 +612,4 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
     return with_overheads(params, grads, states, peak, at, plan, 1, saved, tuple(curve), copy_in_pool(plan))
 
 
-__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_PARALLEL_BYTES", "LOSS_RULES", "loss_bytes", "MICROBATCH", "loss_spans", "per_microbatch_mode", "recompute_every", "recompute_layers", "whole_layers", "NCCL_BYTES_PER_GROUP", "RECOMPUTE", "Memory", "UnevenShard", "activation_deltas", "check_recompute", "communicators", "fit_verdict", "held_for_the_step", "local_numel", "makes_no_copy", "memory_per_device", "peak_of", "root_reshard", "state_bytes", "uneven_shards", "with_overheads"]
+__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_PARALLEL_BYTES", "LOSS_RULES", "loss_bytes", "MICROBATCH", "loss_spans", "per_microbatch_mode", "recompute_every", "recompute_layers", "whole_layers", "NCCL_BYTES_PER_GROUP", "RECOMPUTE", "Memory", "UnevenShard", "activation_deltas", "check_recompute", "communicators", "fit_verdict", "held_for_the_step", "local_numel", "makes_no_copy", "memory_per_device", "output_copies", "peak_of", "root_reshard", "stashed_output_copies", "state_bytes", "uneven_shards", "with_overheads"]

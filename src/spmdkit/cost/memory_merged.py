@@ -15,21 +15,24 @@ and the output layer's.
 
 :func:`merged_curve` adds to the flat step's curve (the live transient bytes after each op,
 :func:`spmdkit.cost.memory.peak_of`) at every backward op of a layer the partner's bytes beside it:
-the saved activations of its layers before its pair's (:class:`spmdkit.cost.memory_saved.ActivationMemory`)
-and the most its own pair's forward layer adds over that layer's forward ops in the flat step
-(saved and working bytes: the two streams' ops of one pair may run together). The rest of the merged
-step (the output layer, the embedding, the first forward and the last backward alone) is the flat
-step's.
+what one microbatch holds in the flat step from just before its pair's forward layer through that
+layer's ops: its layers below (the activations they keep), its stream (``f_input``, the layer's
+input, passed from pair to pair) and the most the layer adds (saved and working bytes: the two
+streams' ops of one pair may run together); and at the backward's output-layer ops, which run after
+the partner's ``pre_process.forward()``, the partner's embedding output (the flat curve just before
+its first layer). The rest of the merged step (the forward's output layer, the embedding's backward,
+the first forward and the last backward alone) is the flat step's. (Until 2026-12-07 the partner
+was its saved layers and the layer's rise alone: its stream, one [s, b, h] tensor a pair, and the
+embedding output beside the output layer's backward were left out.)
 """
 
 from __future__ import annotations
 
-from spmdkit.cost.memory_saved import ActivationMemory
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 
 
-def merged_curve(plan: Plan, saved: ActivationMemory, curve: list[int]) -> list[int]:
+def merged_curve(plan: Plan, curve: list[int]) -> list[int]:
     """``curve`` (the flat step's live transient bytes after each op) as a merged step holds them
     (module docstring); ``curve`` itself where the plan has no merged step (no
     ``--ep-comm-overlap``, one microbatch, no numbered layers)."""
@@ -42,20 +45,24 @@ def merged_curve(plan: Plan, saved: ActivationMemory, curve: list[int]) -> list[
     for i, op in enumerate(prog.ops):
         if op.phase == "forward" and op.layer in index:
             forward[op.layer].append(i)
-    rise = {t: max(curve[i] for i in ix) - (curve[ix[0] - 1] if ix[0] else 0) if ix else 0
-            for t, ix in forward.items()}
-    held = 0
-    before: list[int] = []  # the partner's saved layers before pair p
-    for t in tags:
-        before.append(held)
-        held += saved.layer(t)
+    if not all(forward.values()):
+        return curve
+    # the partner at pair p: what one microbatch holds in the flat step from the end of layer p - 1 (its
+    # saved layers below and its stream, f_input) through layer p's forward ops
+    partner = [max(curve[ix[0] - 1] if ix[0] else 0, max(curve[i] for i in ix)) for ix in forward.values()]
+    embedded = curve[forward[tags[0]][0] - 1] if forward[tags[0]][0] else 0  # its embedding's output
     n = len(tags)
     out = list(curve)
+    layers_back = False
     for i, op in enumerate(prog.ops):
-        q = index.get(op.layer) if op.phase == "backward" else None
+        if op.phase != "backward":
+            continue
+        q = index.get(op.layer)
         if q is not None:
-            p = n - 1 - q  # the forward layer paired with backward layer q
-            out[i] += before[p] + max(0, rise[tags[p]])
+            layers_back = True
+            out[i] += partner[n - 1 - q]  # the forward layer paired with backward layer q
+        elif not layers_back:  # the output layer's backward (post_process), after the partner's embedding
+            out[i] += embedded
     return out
 
 

@@ -15,7 +15,7 @@ from spmdkit.core.reshard import Step
 from spmdkit.cost.buckets import Bucket, Reducer
 from spmdkit.cost.compute import gathered_itemsize
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import activation_deltas, held_for_the_step, local_numel, peak_of
+from spmdkit.cost.memory import activation_deltas, held_for_the_step, local_numel, peak_of, stashed_output_copies
 from spmdkit.cost.memory_fsdp2 import gather_sizes, gathered_numels, last_group, pair_peak
 from spmdkit.cost.memory_saved import ActivationMemory, all_value_inputs, rerun_points, saved_activations
 from spmdkit.cost.step import OpComm, op_communication, shared_gather_savings
@@ -349,6 +349,8 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
         for nm, size in lst:
             for s in readers.get(nm, ()):
                 out[s].stash_bytes += size
+    for s, size in stashed_output_copies(plan, saved, stages).items():  # alltoall cp's head-layout output
+        out[s].stash_bytes += size
     for nm, (a, b) in crossing.items():
         size = nbytes(nm)
         g = nm + ".grad"
