@@ -174,7 +174,7 @@ def test_a_dense_layer_then_moe_layers_each_structure_in_full() -> None:
 
 def test_preset_moe_after_a_dense_layer() -> None:
     """deepseek-v2-lite (its first layer dense) at 3 layers: layer 1 in full, layer 2 as layer 1."""
-    _model, plan, _ = plan_model("deepseek-v2-lite", "dp=2,tp=4", "megatron", {"layers": 3, "seq": 512})
+    _model, plan, _ = plan_model("deepseek-v2-lite", "dp=2,tp=4", "megatron", {"layers": 3, "seq": 512, "batch": 2})
     text = _report(plan)
     assert "layer 1 in full (the first of another structure)" in text
     assert "\nlayer 2: every tensor sharded as in layer 1\n" in text
