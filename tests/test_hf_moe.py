@@ -343,13 +343,15 @@ def test_a_bfloat16_router_scores_in_the_dtype_hf_computes_them(name: str, want:
     assert {prog.tensors[n].dtype for n in rows} == {"bfloat16"}
 
 
-def test_run_hf_qwen3_moe_in_bfloat16_routes_as_torch() -> None:
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_run_hf_moe_in_bfloat16_routes_as_torch(name: str) -> None:
     """`spmdkit run --hf Qwen3MoeForCausalLM --dtype bfloat16` (torch kernels) on dp=2 gloo ranks:
     every gradient within the bfloat16 tolerance of torch eager's. With the gate values in
     bfloat16 token 17 of layer 0 (float32 probs 0.2548 for expert 0, 0.2569 for expert 2, both
     0.2559 in bfloat16) tied and took expert 0, HF (softmax in float32) expert 2: layer 0's
-    expert, router and post-attention-norm gradients 8-23% off (relative L2), 0.013 after."""
-    cls, cfg = CONFIGS["qwen3_moe"]
+    expert, router and post-attention-norm gradients 8-23% off (relative L2), 0.0136 after.
+    Qwen2-MoE (the same router): 0.140 before, 0.0121 after."""
+    cls, cfg = CONFIGS[name]
     p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--kernels", "torch", "--timeout", "120",
                         "--hf", cls, "--hf-config", json.dumps(cfg), "--mesh", "dp=2", "--strategy", "dp",
                         "--batch", "4", "--dtype", "bfloat16"], capture_output=True,
@@ -358,7 +360,7 @@ def test_run_hf_qwen3_moe_in_bfloat16_routes_as_torch() -> None:
     rep = json.loads(p.stdout.strip().splitlines()[-1])
     assert rep["ok"] and rep["collectives_match"] and not rep["failures"], rep["failures"]
     eager = rep["eager"]
-    assert eager["checked"] == 28 and not eager["failures"], eager["failures"]
+    assert eager["checked"] >= 28 and not eager["failures"], eager["failures"]
     assert eager["max_rel_error"] <= 2 * eager["native_error"], eager
 
 
