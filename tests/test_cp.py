@@ -316,6 +316,25 @@ def test_run_on_gloo_equals_the_single_process_step(model: list[str], mesh: str,
     assert ("all_to_all" in kinds) == (variant == "alltoall") and ("all_gather" in kinds) == (variant == "allgather")
 
 
+def test_run_reports_as_moved_only_what_a_reshard_delivered() -> None:
+    """cp alltoall on 2 gloo ranks (torch kernels): each layer's attention output is traded from
+    the head layout (its op's, [-1, -1, cp, -1]) onto the sequence ([-1, cp, -1, -1]) by an
+    all-to-all, and its grad reads the op's own head-layout copy, kept (commit ad484e2). The
+    report's reshards (``moved``, each checked against the value it moved) list the all-to-all's
+    result once and not the kept copy, which nothing delivered; the grad is still checked on it."""
+    p = _spmdkit("run", "--model", "tiny-llama", "--mesh", "cp=2", "--strategy", "cp", "--cp-attention", "alltoall",
+                 "--kernels", "torch", "--json", "--warmup", "0", "--timeout", "120")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and not rep["failures"], rep["failures"]
+    attn = sorted((n, a.split("), ")[1]) for n, a in rep["moved"] if n in ("layers.0.attn", "layers.1.attn"))
+    assert attn == [("layers.0.attn", "[-1, 0, -1, -1])"), ("layers.1.attn", "[-1, 0, -1, -1])")]
+    assert len({(n, a) for n, a in rep["moved"]}) == len(rep["moved"])
+    # every tensor checked op by op as before the kept copies left ``moved`` (231: the 6 outputs of
+    # the two attention grads, which read the kept copies, skipped unchecked)
+    assert rep["checked"] == 237
+
+
 def test_the_docs_command_plans_as_the_page_says() -> None:
     text = (ROOT / "docs" / "context.md").read_text()
     cmd = next(line for line in text.splitlines() if line.startswith("spmdkit plan "))

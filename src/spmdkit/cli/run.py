@@ -415,6 +415,7 @@ def _run_rank(req: RunRequest, out: TextIO, step: _Step, rank: int) -> int:
             "expected_collectives": len(rep.expected),
             "kernels": rep.kernels, "max_rel_error": rep.max_rel_error, "timing": rep.timing, "warmup": rep.warmup,
             "predicted": rep.predicted, "predicted_on": rep.predicted_on,
+            "moved": [list(m) for m in rep.moved],
             "eager": None if rep.eager is None else {
                 "dtype": rep.eager.dtype, "loss": _finite(rep.eager.loss), "checked": rep.eager.checked,
                 "max_rel_error": rep.eager.max_rel_error, "rtol": rep.eager.rtol,

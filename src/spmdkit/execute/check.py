@@ -79,6 +79,10 @@ class RunReport:
     #: the plan's prediction of the same (:func:`spmdkit.execute.report.predicted_timing`) and the device it is for
     predicted: dict[str, dict[str, float]] = field(default_factory=dict)
     predicted_on: str = ""
+    #: --kernels torch: (tensor, the dist attr it was moved to) of every reshard result checked
+    #: against the value it moved: what a reshard delivered to the ranks (not an op's own copy
+    #: kept in the op's layout: :attr:`spmdkit.execute.rank.Rank.kept`)
+    moved: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -150,6 +154,7 @@ def check_torch(rep: RunReport, plan: Plan, pieces: list[Any], me: Ran, seed: in
         return assembled[n] if n in assembled else sources.get(n)
 
     received = _check_reshards(rep, prog, pieces, me, value, tolerance)
+    received.update(_kept_copies(rep, prog, pieces, tolerance))
     ref, inexact = _per_op_references(plan, me, value, received, device)
     largest: dict[str, float] = {}
     for n, g in ref.items():
@@ -226,6 +231,7 @@ def _check_reshards(rep: RunReport, prog: Program, pieces: list[Any], me: Ran, v
             rep.failures.append((n, f"moved to {dst}: the ranks' pieces are not distributed so: {exc}"))
             continue
         out[key] = got
+        rep.moved.append((n, str(dst)))
         want = value(n)
         if want is None:
             continue
@@ -237,6 +243,20 @@ def _check_reshards(rep: RunReport, prog: Program, pieces: list[Any], me: Ran, v
                 rep.failures.append((n, f"moved from {src} to {dst}: the value changed (a move of data: exact)"))
         else:
             _float_error(rep, n, got, want, 0.0, tol, f"the value moved from {src} to {dst}")
+    return out
+
+
+def _kept_copies(rep: RunReport, prog: Program, pieces: list[Any], tolerance: Any) -> dict[Any, np.ndarray]:
+    """The ops' own outputs kept in their layout for a later reader of it (nothing moved them),
+    assembled in that layout by their key (tensor, dist attr, phase): what those readers read."""
+    out: dict[Any, np.ndarray] = {}
+    for key in (pieces[0][4] if len(pieces[0]) > 4 else {}):
+        n, attr = key[0], key[1]
+        tol = tolerance(n)
+        try:
+            out[key] = assemble([p[4][key] for p in pieces], attr, prog.tensors[n].shape, rtol=tol, atol=tol)
+        except (AssembleError, KeyError) as exc:
+            rep.failures.append((n, f"kept in its op's layout {attr}: the ranks' pieces are not distributed so: {exc}"))
     return out
 
 

@@ -110,6 +110,11 @@ class Rank:
         #: after :meth:`run`: each reshard's result as this rank received it, by (tensor, dist attr
         #: it was moved to, the phase for a ZeRO-3 parameter gathered again per phase)
         self.moved: dict[tuple[str, TensorDistAttr, str], Any] = {}
+        #: after :meth:`run`: an op's own output kept in the op's layout where the plan reshards it
+        #: after the op (an annotated output) and a later reader of that layout shares it (cp
+        #: alltoall's head-layout attention output, read by its grad), by the same keys; nothing
+        #: moved it, so it is not among :attr:`moved`
+        self.kept: dict[tuple[str, TensorDistAttr, str], Any] = {}
 
     # -- torch <-> numpy
     def _t(self, a: np.ndarray) -> torch.Tensor:
@@ -295,7 +300,8 @@ class Rank:
             piece = shard(v, plan.attrs[n], rng)[self.rank]
             local[n] = to_torch(piece, prog.tensors[n].dtype, self.device) if torch_kernels else piece
         moved: dict[tuple[str, TensorDistAttr, str], Any] = {}
-        self.moved = moved
+        kept: dict[tuple[str, TensorDistAttr, str], Any] = {}
+        self.moved, self.kept = moved, kept
         stored = plan.storage
         fallbacks = getattr(prog, "fallbacks", None) or {}
         phase = [""]  # the running op's phase: a ZeRO-3 parameter is gathered again in each
@@ -306,6 +312,8 @@ class Rank:
             if dst is None or src == dst:
                 return local[n]
             key = (n, dst, phase[0] if n in stored else "")
+            if key in kept:
+                return kept[key]
             if key not in moved:
                 a = local[n]
                 for st in plan_reshard(src, dst, prog.tensors[n].shape, 8, plan.cost).steps:
@@ -356,7 +364,7 @@ class Rank:
                     local[o] = move(o, fixed)
                     slot["comm"] += self._clock() - t3
                     # the op's own copy, kept for a reader of its layout (shared in the plan: propagate)
-                    moved.setdefault((o, made[o], phase[0] if o in stored else ""), raw)
+                    kept.setdefault((o, made[o], phase[0] if o in stored else ""), raw)
                     made[o] = fixed
                 outputs[o] = local[o]
         timing["step"] = {"wall": self._clock() - t_start}
@@ -463,11 +471,13 @@ def _run_step(me: Rank, seed: int, warmup: int, say: Callable[[str], None], worl
     say("step")
     outputs = me.run(seed)
     received: dict[Any, Any] = {}
+    kept: dict[Any, Any] = {}
     if me.kernels == "torch":  # what each op read: the per-op check recomputes it from these
         outputs = {n: to_numpy(v) for n, v in outputs.items()}
-        received = {k: to_numpy(v) for k, v in me.moved.items()}
+        received = {k: to_numpy(v) for k, v in me.moved.items()}  # what a reshard delivered
+        kept = {k: to_numpy(v) for k, v in me.kept.items()}  # the ops' own copies: nothing delivered them
     pieces: list[Any] = [None] * world if me.rank == 0 else []
-    dist.gather_object((outputs, me.record, me.timing, received), pieces if me.rank == 0 else None, dst=0)
+    dist.gather_object((outputs, me.record, me.timing, received, kept), pieces if me.rank == 0 else None, dst=0)
     return pieces
 
 

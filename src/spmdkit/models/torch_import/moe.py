@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: the activations the experts lowering emits (config.hidden_act -> (rule, gelu approximate))
 ACTIVATIONS = {"silu": ("silu", False), "swish": ("silu", False), "gelu": ("gelu", False),
@@ -87,13 +88,14 @@ class Block:
     bias_name: str | None = None
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, r: Routing, k: int
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, r: Routing, k: int,
+          scores_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits, top-k weights, top-k indices) of tokens ``x`` [T, H] under routing ``r``,
-    computed as HF's routers compute them (float32 scores)."""
+    computed as HF's routers compute them (the scores in ``scores_dtype``: float32 in every HF
+    router, :func:`_router_dtypes`)."""
     x2 = x.reshape(-1, x.shape[-1])
     logits = F.linear(x2.to(weight.dtype), weight)
-    s = logits.float()
+    s = logits.to(scores_dtype)
     scores = torch.softmax(s, dim=-1) if r.score == "softmax" else torch.sigmoid(s)
     choice = scores + bias.float() if r.bias and bias is not None else scores
     if r.groups > 1 and r.topk_group < r.groups:
@@ -146,16 +148,18 @@ def _act(x: torch.Tensor, act: str, approximate: bool) -> torch.Tensor:
 @torch.library.custom_op("spmdkit::moe_route", mutates_args=())
 def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, score: str, bias_used: bool,
               norm: bool, scale: float, groups: int, topk_group: int, top_k: int, batch: int,
-              weights_dtype: torch.dtype, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              weights_dtype: torch.dtype, chunks: int, scores_dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r = Routing(score, bias_used, norm, scale, groups, topk_group)
-    logits, w, idx = route(x, weight, bias, r, top_k)
+    logits, w, idx = route(x, weight, bias, r, top_k, scores_dtype)
     return logits, w.to(weights_dtype), idx
 
 
 @moe_route.register_fake
 def _moe_route_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, score: str, bias_used: bool,
                     norm: bool, scale: float, groups: int, topk_group: int, top_k: int, batch: int,
-                    weights_dtype: torch.dtype, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    weights_dtype: torch.dtype, chunks: int, scores_dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t = math.prod(x.shape[:-1])
     logits = x.new_empty((t, weight.shape[0]), dtype=weight.dtype)
     return logits, x.new_empty((t, top_k), dtype=weights_dtype), x.new_empty((t, top_k), dtype=torch.int64)
@@ -332,16 +336,39 @@ def capacity_of(rule: str | float, seq: int, top_k: int, experts: int) -> int:
     return max(1, min(seq, math.ceil(seq * top_k / experts * factor - 1e-9)))
 
 
-def _weights_dtype(router: torch.nn.Module, dtype: torch.dtype, h: int) -> torch.dtype:
-    """The dtype of ``router``'s top-k weights for tokens of ``dtype`` (run on the meta device)."""
+class _Scores(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records the dtype of the first gate values (softmax / sigmoid output) a router computes."""
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.dtype: torch.dtype | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.dtype is None and func.overloadpacket in _SCORE_OPS and isinstance(out, torch.Tensor):
+            self.dtype = out.dtype
+        return out
+
+
+_SCORE_OPS = (torch.ops.aten._softmax, torch.ops.aten.softmax, torch.ops.aten.sigmoid)
+
+
+def _router_dtypes(router: torch.nn.Module, dtype: torch.dtype, h: int) -> tuple[torch.dtype, torch.dtype]:
+    """The dtypes of ``router``'s top-k weights and of its gate values (its softmax / sigmoid)
+    for tokens of ``dtype`` (run on the meta device). They differ: Qwen2/3-MoE and OLMoE take
+    ``softmax(logits, dtype=torch.float)``, choose the top k and renormalise in float32, and
+    only then cast the weights to the logits' dtype (transformers 5.25,
+    models/qwen3_moe/modeling_qwen3_moe.py, ``Qwen3MoeTopKRouter.forward``); Mixtral keeps them
+    float32. The scores' dtype is where the top k are chosen: in bfloat16, gate values 2e-3
+    apart round equal and the top-k picks another expert than HF's."""
     state = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in router.named_parameters(recurse=False)}
     state.update({n: torch.zeros(b.shape, dtype=b.dtype, device="meta") for n, b in router.named_buffers(recurse=False)})
+    seen = _Scores()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), seen:
             out = torch.func.functional_call(router, state, (torch.empty(2, h, dtype=dtype, device="meta"),))
-        return out[1].dtype  # type: ignore[no-any-return]
+        return out[1].dtype, seen.dtype or torch.float32
     except Exception:  # meta unsupported: float32, as HF's routers compute
-        return torch.float32
+        return torch.float32, torch.float32
 
 
 @contextlib.contextmanager
@@ -361,8 +388,8 @@ def lowered_moe(module: torch.nn.Module, tokens: tuple[int, int], capacity: str 
             router, experts = named[b.router], named[b.experts]
             wname = next(n for n, p in router.named_parameters(recurse=False) if p.dim() == 2)
             cap = capacity_of(capacity, seq // chunks, b.top_k, b.num_experts)
-            wdt = _weights_dtype(router, next(experts.parameters()).dtype, getattr(router, wname).shape[1])
-            router.forward = types.MethodType(_route_call(b, wname, batch, wdt, chunks), router)
+            wdt, sdt = _router_dtypes(router, next(experts.parameters()).dtype, getattr(router, wname).shape[1])
+            router.forward = types.MethodType(_route_call(b, wname, batch, (wdt, sdt), chunks), router)
             experts.forward = types.MethodType(_experts_call(b, cap), experts)
             saved += [router, experts]
         yield found
@@ -371,13 +398,13 @@ def lowered_moe(module: torch.nn.Module, tokens: tuple[int, int], capacity: str 
             m.__dict__.pop("forward", None)
 
 
-def _route_call(b: Block, wname: str, batch: int, wdt: torch.dtype, chunks: int) -> Any:
+def _route_call(b: Block, wname: str, batch: int, dts: tuple[torch.dtype, torch.dtype], chunks: int) -> Any:
     r = b.routing
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> Any:
         bias = getattr(self, b.bias_name) if b.bias_name else None
         return torch.ops.spmdkit.moe_route(hidden_states, getattr(self, wname), bias, r.score, r.bias, r.norm,
-                                           r.scale, r.groups, r.topk_group, b.top_k, batch, wdt, chunks)
+                                           r.scale, r.groups, r.topk_group, b.top_k, batch, dts[0], chunks, dts[1])
     return forward
 
 

@@ -66,6 +66,9 @@ def _route(c: ImportContext) -> Any:
     x, w, bias = c.args[0], c.args[1], c.arg(2, "bias")
     score, bias_used, norm, scale, groups, keep, top_k, batch = c.args[3:11]
     wdt = dtype_name(c.args[11]) if isinstance(c.args[11], torch.dtype) else "float32"
+    # the gate values' dtype (torch_import.moe._router_dtypes): HF's softmax in float32 even where
+    # the top-k weights it returns are cast back to bfloat16 (Qwen2/3-MoE, OLMoE)
+    sdt = dtype_name(c.args[13]) if len(c.args) > 13 and isinstance(c.args[13], torch.dtype) else wdt
     xs, ws = c.shape(x), c.shape(w)
     h, e = xs[-1], ws[0]
     t = 1
@@ -83,8 +86,8 @@ def _route(c: ImportContext) -> Any:
     ldt = c.dtype(w)
     logits = c.emit1("matmul", {"x": x3, "y": w}, (c.fresh("logits"), (*lead, s // n, e), ldt), trans_y=True)
     pin = logits
-    if ldt != "float32" and wdt == "float32":  # softmax(logits.float())
-        pin = c.emit1("cast", {"x": logits}, (c.fresh("logits_f"), (*lead, s // n, e), "float32"), dtype="float32")
+    if ldt != sdt:  # softmax(logits.float()), softmax(logits, dtype=torch.float)
+        pin = c.emit1("cast", {"x": logits}, (c.fresh("logits_f"), (*lead, s // n, e), sdt), dtype=sdt)
     pdt = c.dtype(pin)
     if score == "softmax":
         probs = c.emit1("softmax", {"x": pin}, (c.fresh("probs"), (*lead, s // n, e), pdt), axis=-1)
