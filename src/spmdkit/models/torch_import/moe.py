@@ -357,7 +357,7 @@ def _router_dtypes(router: torch.nn.Module, dtype: torch.dtype, h: int) -> tuple
     for tokens of ``dtype`` (run on the meta device). They differ: Qwen2/3-MoE and OLMoE take
     ``softmax(logits, dtype=torch.float)``, choose the top k and renormalise in float32, and
     only then cast the weights to the logits' dtype (transformers 5.25,
-    models/qwen3_moe/modeling_qwen3_moe.py, ``Qwen3MoeTopKRouter.forward``); Mixtral keeps them
+    module ``transformers.models.qwen3_moe.modeling_qwen3_moe``, ``Qwen3MoeTopKRouter.forward``); Mixtral keeps them
     float32. The scores' dtype is where the top k are chosen: in bfloat16, gate values 2e-3
     apart round equal and the top-k picks another expert than HF's."""
     state = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in router.named_parameters(recurse=False)}
