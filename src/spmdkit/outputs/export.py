@@ -431,6 +431,26 @@ class _DTensorExport:
             frontier = nxt
         return out
 
+    def norm_reads_on_shards(self) -> list[tuple[str, int, Op, str]]:
+        """Each replicated 1-D parameter (a norm's weight or bias) that the plan reads beside an
+        input sharded over tp, at its first such read (:meth:`weight_reads`' order): (parameter,
+        op index, op, the sharded input's slot); the norms :meth:`norms_on_shards` and the torch
+        export's ``sequence_parallel_norms`` give a style."""
+        assert self.tp is not None
+        prog, tp = self.prog, self.tp
+        out: list[tuple[str, int, Op, str]] = []
+        for p in self.params:
+            if len(prog.tensors[p].shape) != 1 or _tp_placement(self.plan.attrs[p], tp).is_shard():
+                continue
+            for i, op, src in self.weight_reads(p):
+                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != src and v in prog.tensors
+                       and prog.tensors[v].kind != "parameter"
+                       and _tp_placement(self.plan.ops[i].required[k], tp).is_shard()]
+                if seq:
+                    out.append((p, i, op, seq[0]))
+                    break
+        return out
+
     def norms_on_shards(self) -> None:
         """A module with a replicated 1-D parameter (a norm's weight) that the plan runs on an
         input sharded over tp, whose gradient the plan therefore all-reduces over tp: on a heads
@@ -439,31 +459,21 @@ class _DTensorExport:
         sums over tp; on a token axis (sequence parallel) the refusal of sp plans. Never a plain
         module whose weight's gradient each rank keeps from its own heads."""
         assert self.tp is not None
-        prog, tp = self.prog, self.tp
-        for p in self.params:
-            if len(prog.tensors[p].shape) != 1 or _tp_placement(self.plan.attrs[p], tp).is_shard():
+        for p, i, op, k in self.norm_reads_on_shards():
+            mod, x = self.modules.get(i, ("", ""))[0], op.inputs[k]
+            if not mod:
+                raise ExportError(f"{self.flag}: {p}: read on {x}, sharded over tp, and the program records "
+                                  f"no module for it (a program JSON): export from --hf")
+            if mod in self.styles:
                 continue
-            for i, op, src in self.weight_reads(p):
-                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != src and v in prog.tensors
-                       and prog.tensors[v].kind != "parameter"
-                       and _tp_placement(self.plan.ops[i].required[k], tp).is_shard()]
-                if not seq:
-                    continue
-                mod, x = self.modules.get(i, ("", ""))[0], op.inputs[seq[0]]
-                if not mod:
-                    raise ExportError(f"{self.flag}: {p}: read on {x}, sharded over tp, and the program records "
-                                      f"no module for it (a program JSON): export from --hf")
-                if mod in self.styles:
-                    break
-                pl = _tp_placement(self.plan.ops[i].required[seq[0]], tp)
-                if not heads_axis(prog, x, pl.dim):
-                    raise _sequence_parallel(mod, x, pl)
-                d = pl.dim
-                self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=True)
-                self.notes.append(f"{mod}: runs on the heads a column layer makes, Shard({d}) over tp: its weight a "
-                                  f"replicated DTensor, its gradient Partial over tp after the backward (DTensor "
-                                  f"all-reduces it where the optimizer reads it; the plan once before the update)")
-                break
+            pl = _tp_placement(self.plan.ops[i].required[k], self.tp)
+            if not heads_axis(self.prog, x, pl.dim):
+                raise _sequence_parallel(mod, x, pl)
+            d = pl.dim
+            self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=True)
+            self.notes.append(f"{mod}: runs on the heads a column layer makes, Shard({d}) over tp: its weight a "
+                              f"replicated DTensor, its gradient Partial over tp after the backward (DTensor "
+                              f"all-reduces it where the optimizer reads it; the plan once before the update)")
 
     def prepare_shared_inputs(self) -> None:
         """Column layers sharing one input made by one module: the module's output a

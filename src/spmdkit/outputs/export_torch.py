@@ -244,31 +244,21 @@ class _TorchExport(_DTensorExport):
         parameter's reading ops, whatever the norm is lowered to (a fused rms_norm, or HF's
         ``weight * x * rsqrt(mean(x^2))``)."""
         assert self.tp is not None
-        prog, tp = self.prog, self.tp
-        for p in self.params:
-            if len(prog.tensors[p].shape) != 1 or _tp_placement(self.plan.attrs[p], tp).is_shard():
+        for p, i, op, k in self.norm_reads_on_shards():
+            mod = self.modules.get(i, ("", ""))[0]
+            if not mod:
+                raise ExportError(f"--export torch: {p}: read on a sequence-sharded input and the program "
+                                  f"records no module for it (a program JSON): export from --hf")
+            if mod in self.styles:
                 continue
-            for i, op, src in self.weight_reads(p):
-                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != src and v in prog.tensors
-                       and prog.tensors[v].kind != "parameter"
-                       and _tp_placement(self.plan.ops[i].required[k], tp).is_shard()]
-                if not seq:
-                    continue
-                mod = self.modules.get(i, ("", ""))[0]
-                if not mod:
-                    raise ExportError(f"--export torch: {p}: read on a sequence-sharded input and the program "
-                                      f"records no module for it (a program JSON): export from --hf")
-                if mod in self.styles:
-                    break
-                d = _tp_placement(self.plan.ops[i].required[seq[0]], tp).dim
-                if heads_axis(prog, op.inputs[seq[0]], d):  # Qwen3's q_norm / k_norm on the heads of a column layer
-                    self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=True)
-                    self.notes.append(f"{mod}: runs on the heads a column layer makes, Shard({d}) over tp: its "
-                                      f"weight a replicated DTensor, its gradient all-reduced over tp")
-                    break
-                self.token_axis(mod, "SequenceParallel", "shards its input on", d)
-                self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=False)
-                break
+            d = _tp_placement(self.plan.ops[i].required[k], self.tp).dim
+            if heads_axis(self.prog, op.inputs[k], d):  # Qwen3's q_norm / k_norm on the heads of a column layer
+                self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=True)
+                self.notes.append(f"{mod}: runs on the heads a column layer makes, Shard({d}) over tp: its "
+                                  f"weight a replicated DTensor, its gradient all-reduced over tp")
+                continue
+            self.token_axis(mod, "SequenceParallel", "shards its input on", d)
+            self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=False)
 
     def token_axis(self, mod: str, style: str, what: str, d: int) -> None:
         """Check that the plan shards the residual stream's tokens over tp on one axis of
