@@ -401,8 +401,7 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     root = root_reshard(plan) if groups == 1 else 0
     held_root: dict[str, tuple[int, TensorDistAttr]] = {}
     again = regathers(plan)  # a cp attention's K / V gathered again for its grad: a copy of its own
-    raw = output_copies(plan, saved)
-    rerun = {i for region in saved.recomputed for i in region}
+    kept = kept_output_reads(plan, saved)
     for k, r in enumerate(plan.reshards):
         if makes_no_copy(plan, r):
             continue
@@ -425,8 +424,8 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
             # one copy per phase: the plan reshards again for a backward reader (and prices it),
             # so the forward's copy is not held to the backward
             lo = hi = r.op_index
-            made = raw.get((r.tensor, r.dst)) if r.shared and not r.output else None
-            if made is not None and made not in rerun and grp[made] == g:
+            made = kept.get(k)
+            if made is not None and grp[made] == g:
                 lo = made  # held from the op that made it (run again right before the grad where recomputed)
             key = (g, r.tensor, r.dst, "again" if k in again else op.phase)
         s = spans.setdefault(key, [lo, hi])
@@ -467,25 +466,40 @@ def output_copies(plan: Plan, saved: ActivationMemory) -> dict[tuple[str, Tensor
             and (r.tensor, r.op_index) not in again}
 
 
+def kept_output_reads(plan: Plan, saved: ActivationMemory) -> dict[int, int]:
+    """Reshard index -> the op whose kept output copy (:func:`output_copies`) it reads (a later
+    reader sharing that layout), where that op is not run again (recomputed): the copy is held
+    from that op to the reader."""
+    raw = output_copies(plan, saved)
+    if not raw:
+        return {}
+    rerun = {i for region in saved.recomputed for i in region}
+    out: dict[int, int] = {}
+    for k, r in enumerate(plan.reshards):
+        made = raw.get((r.tensor, r.dst)) if r.shared and not r.output else None
+        if made is not None and made not in rerun:
+            out[k] = made
+    return out
+
+
 def stashed_output_copies(plan: Plan, saved: ActivationMemory, stages: list[int]) -> dict[int, int]:
     """Stage -> the bytes of the :func:`output_copies` one microbatch keeps from its forward to a
     backward reader in the same stage (not where the op that made it runs again, recomputed):
     stash beside :attr:`ActivationMemory.tensors`, which holds each tensor once in its planned
     layout. A pipeline stage holds one per microbatch in flight, as :func:`activation_deltas`
     holds it in the one microbatch's curve."""
-    raw = output_copies(plan, saved)
-    if not raw:
+    kept = kept_output_reads(plan, saved)
+    if not kept:
         return {}
     prog = plan.program
-    rerun = {i for region in saved.recomputed for i in region}
     load = plan_loads(plan)
     vin = all_value_inputs(prog)
     out: dict[int, int] = {}
     seen: set[tuple[str, TensorDistAttr]] = set()
-    for r in plan.reshards:
-        made = raw.get((r.tensor, r.dst)) if r.shared and not r.output else None
+    for k, made in kept.items():
+        r = plan.reshards[k]
         s = stages[r.op_index]
-        if made is None or made in rerun or stages[made] != s or prog.ops[r.op_index].phase != "backward" or \
+        if stages[made] != s or prog.ops[r.op_index].phase != "backward" or \
                 (r.tensor, r.dst) in seen or makes_no_copy(plan, r) or r.tensor not in vin[r.op_index]:
             continue
         seen.add((r.tensor, r.dst))
@@ -612,4 +626,4 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
     return with_overheads(params, grads, states, peak, at, plan, 1, saved, tuple(curve), copy_in_pool(plan))
 
 
-__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_PARALLEL_BYTES", "LOSS_RULES", "loss_bytes", "MICROBATCH", "loss_spans", "per_microbatch_mode", "recompute_every", "recompute_layers", "whole_layers", "NCCL_BYTES_PER_GROUP", "RECOMPUTE", "Memory", "UnevenShard", "activation_deltas", "check_recompute", "communicators", "fit_verdict", "held_for_the_step", "local_numel", "makes_no_copy", "memory_per_device", "output_copies", "peak_of", "root_reshard", "stashed_output_copies", "state_bytes", "uneven_shards", "with_overheads"]
+__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_PARALLEL_BYTES", "LOSS_RULES", "loss_bytes", "MICROBATCH", "loss_spans", "per_microbatch_mode", "recompute_every", "recompute_layers", "whole_layers", "NCCL_BYTES_PER_GROUP", "RECOMPUTE", "Memory", "UnevenShard", "activation_deltas", "check_recompute", "communicators", "fit_verdict", "held_for_the_step", "kept_output_reads", "local_numel", "makes_no_copy", "memory_per_device", "output_copies", "peak_of", "root_reshard", "stashed_output_copies", "state_bytes", "uneven_shards", "with_overheads"]
