@@ -245,7 +245,7 @@ def test_tp_comm_overlap_without_sequence_parallelism_is_refused(capsys: pytest.
 
 def test_the_search_under_tp_comm_overlap_plans_no_megatron_without_sp(capsys: pytest.CaptureFixture[str]) -> None:
     """--devices with --tp-comm-overlap: the configurations plan refuses (megatron without sp over
-    tp > 1) are listed among those not planned, with plan's reason, and none is ranked."""
+    tp > 1) are listed among those not planned, with plan's own message, and none is ranked."""
     rc, out, err = plan(capsys, "--model", "llama-7b", "--layers", "2", "--seq", "256", "--batch", "8", "--device",
                         "h100", "--devices", "8", "--tp-comm-overlap", "--json")
     assert rc == 0, err
@@ -255,9 +255,11 @@ def test_the_search_under_tp_comm_overlap_plans_no_megatron_without_sp(capsys: p
         return bool(c["tp"] > 1 and "megatron" in c["strategy"].split(",") and "sp" not in c["strategy"].split(","))
 
     assert search["top"] and not any(plain(c) for c in search["top"])
-    said = [c["reason"] for c in search["refused"] if plain(c)]
-    assert said and all(r.endswith("has no sequence parallelism to overlap (Megatron-LM asserts sp with it)")
-                        for r in said)
+    said = [(c["strategy"], c["tp"], c["reason"]) for c in search["refused"] if plain(c)]
+    assert said and all(r == f"--tp-comm-overlap: overlaps sequence parallelism's all-gathers and reduce-scatters "
+                             f"with the GEMMs; --strategy {s} over tp={tp} has none (its all-reduces block; "
+                             f"Megatron-LM asserts sequence parallelism with it): add sp, --strategy megatron,sp"
+                        for s, tp, r in said)
 
 
 def test_moe_flags_on_a_model_without_experts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,7 +50,7 @@ from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_cost, parse_siz
 from spmdkit.planner.search import parse_memory
 from spmdkit.strategies.context import auto_config as auto_cp_config
 from spmdkit.strategies.context import hf_cp
-from spmdkit.strategies.strategy import parse_mesh, parse_strategy
+from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_comm_overlap_problem
 
 
 def run_plan(req: PlanRequest, out: TextIO) -> int:
@@ -99,22 +99,16 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
 
 
 def _check_tp_comm_overlap(req: PlanRequest) -> None:
-    """``--tp-comm-overlap`` overlaps sequence parallelism's all-gathers and reduce-scatters with
-    the GEMMs; plain megatron over a tp dim of 2 or more has none (its all-reduces block), and
-    Megatron-LM refuses the pair ("Tensor parallel communication/GEMM overlap can happen only when
-    sequence parallelism is enabled", megatron/training/arguments.py, f2e5db402c and d98e8a6);
-    torchtitan's async TP runs on its sequence-parallel TP plan. A ProgramError naming both flags
-    (a --program file's strategy, none by default, is its own: not judged)."""
+    """``--tp-comm-overlap`` with a strategy it cannot overlap
+    (:func:`~spmdkit.strategies.strategy.tp_comm_overlap_problem`): a ProgramError (a --program
+    file's strategy, none by default, is its own: not judged)."""
     if req.model.program and req.strategy is None:
         return
     mesh = parse_mesh(req.mesh_text)
-    st = parse_strategy(req.strategy or "megatron", mesh)
-    tp = dict(zip(mesh.dim_names, mesh.shape)).get("tp", 1)
-    if "megatron" in st and "sp" not in st and tp > 1:
-        raise ProgramError(f"--tp-comm-overlap: overlaps sequence parallelism's all-gathers and reduce-scatters "
-                           f"with the GEMMs; --strategy {req.strategy or 'megatron'} over tp={tp} has none (its "
-                           f"all-reduces block; Megatron-LM asserts sequence parallelism with it): add sp, "
-                           f"--strategy megatron,sp")
+    text = req.strategy or "megatron"
+    why = tp_comm_overlap_problem(parse_strategy(text, mesh), text, dict(zip(mesh.dim_names, mesh.shape)).get("tp", 1))
+    if why is not None:
+        raise ProgramError(why)
 
 
 @gc_paused

@@ -23,7 +23,7 @@ from spmdkit.program.ir import Program
 from spmdkit.strategies.context import hf_cp
 from spmdkit.strategies.experts import tp_chunks
 from spmdkit.strategies.hf_program import data_inputs
-from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_problem
+from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_comm_overlap_problem, tp_problem
 
 #: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
 #: (context parallelism: Llama 3 trained from 8k with cp from 16k up; torchtitan and NeMo from 16k-32k)
@@ -297,7 +297,7 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
           auto: bool, tp_comm_overlap: bool = False) -> tuple[list[Config], list[tuple[Config, str]]]:
     """The configurations to plan (recomputation "none": the modes are priced on one plan) and
     those refused before planning, with the reason (under ``tp_comm_overlap``, ``--tp-comm-overlap``,
-    megatron without sp over tp > 1, as ``plan`` refuses it: Megatron-LM asserts sp with it)."""
+    :func:`~spmdkit.strategies.strategy.tp_comm_overlap_problem`, as ``plan`` refuses it)."""
     work: list[Config] = []
     refused: list[tuple[Config, str]] = []
     batch = sizes.batch
@@ -351,9 +351,9 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
                     except ProgramError as exc:
                         refused.append((cfg, str(exc)))
                         continue
-                    if tp_comm_overlap and tp > 1 and "megatron" in parts and "sp" not in parts:
-                        refused.append((cfg, f"--tp-comm-overlap: --strategy {s} over tp={tp} has no sequence "
-                                             f"parallelism to overlap (Megatron-LM asserts sp with it)"))
+                    why = tp_comm_overlap_problem(parts, s, tp) if tp_comm_overlap else None
+                    if why is not None:  # as plan refuses it
+                        refused.append((cfg, why))
                         continue
                 work.append(cfg)
                 if pp > 1 and m % pp == 0 and sizes.config is not None and sizes.layers is not None \

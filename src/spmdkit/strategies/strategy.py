@@ -218,6 +218,22 @@ def tp_problem(cfg: ModelConfig, tp: int, sp: bool = False, etp1: bool = False) 
     return None
 
 
+def tp_comm_overlap_problem(strategy: Iterable[str], text: str, tp: int) -> str | None:
+    """Why ``--tp-comm-overlap`` cannot run with the strategy ``strategy`` (as given: ``text``) over
+    ``tp`` ranks, else None: it overlaps sequence parallelism's all-gathers and reduce-scatters with
+    the GEMMs, and plain megatron over a tp dim of 2 or more has none (its all-reduces block);
+    Megatron-LM refuses the pair ("Tensor parallel communication/GEMM overlap can happen only when
+    sequence parallelism is enabled", megatron/training/arguments.py, f2e5db402c and d98e8a6), and
+    torchtitan's async TP runs on its sequence-parallel TP plan. ``plan`` refuses it, ``--devices``
+    does not plan it."""
+    st = set(strategy)
+    if "megatron" in st and "sp" not in st and tp > 1:
+        return (f"--tp-comm-overlap: overlaps sequence parallelism's all-gathers and reduce-scatters with the "
+                f"GEMMs; --strategy {text} over tp={tp} has none (its all-reduces block; Megatron-LM asserts "
+                f"sequence parallelism with it): add sp, --strategy megatron,sp")
+    return None
+
+
 def tp_notes(cfg: ModelConfig, tp: int) -> list[str]:
     """What the plan of ``cfg`` over ``tp`` ranks does that Megatron-Core would not: fewer kv
     heads than ``tp`` (dividing it) are each split over ``tp / kv`` ranks, and the k / v
@@ -440,4 +456,4 @@ def user_attrs(prog: Any, mesh: ProcessMesh, user: Mapping[str, Any] | None) -> 
     return attrs
 
 
-__all__ = ["MAX_RANKS", "STRATEGIES", "annotate", "check_tp", "tp_notes", "tp_problem", "optimizer_layouts", "parse_mesh", "parse_strategy", "strategy_items", "user_attrs", "zero3_storage", "zero_axis", "zero_stage"]
+__all__ = ["MAX_RANKS", "STRATEGIES", "annotate", "check_tp", "tp_comm_overlap_problem", "tp_notes", "tp_problem", "optimizer_layouts", "parse_mesh", "parse_strategy", "strategy_items", "user_attrs", "zero3_storage", "zero_axis", "zero_stage"]
