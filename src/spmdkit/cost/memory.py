@@ -59,8 +59,8 @@ from spmdkit.cost.memory_saved import (
     recompute_inputs,
     rerun_points,
     saved_activations,
-    shared_storage,
     spans_with_recompute,
+    storage_of,
     value_inputs,
 )
 from spmdkit.cost.moe import plan_loads
@@ -318,14 +318,15 @@ def _transient_uses(prog: Program) -> list[tuple[str, ...]]:
     return [tuple(n for n in (*op.output_names(), *vin[i]) if n not in held) for i, op in enumerate(prog.ops)]
 
 
-def _merge_views(uses: dict[tuple[int, str], list[int]], views: dict[str, str], split: Collection[str],
-                 nbytes: Callable[[str], int]) -> None:
-    """A view lives in its base's storage (``views``:
-    :func:`~spmdkit.cost.memory_saved.shared_storage`): in each group, its first and last use
-    join its base's and it is not counted again (not where either's life is split, ``split``)."""
+def _merge_views(uses: dict[tuple[int, str], list[int]], storage: Callable[[str, int], tuple[str, bool]],
+                 split: Collection[str], nbytes: Callable[[str], int]) -> None:
+    """A view lives in its base's storage (``storage``:
+    :func:`~spmdkit.cost.memory_saved.storage_of`): in each group where the view is made (not a
+    view a stage received), its first and last use join its base's and it is not counted again
+    (not where either's life is split, ``split``)."""
     for (g, n), span in list(uses.items()):
-        base = views.get(n)
-        if base is None or n in split or base in split:
+        base = storage(n, g)[0]
+        if base == n or n in split or base in split:
             continue
         life = uses.get((g, base))
         if life is not None and nbytes(n) == nbytes(base):
@@ -382,7 +383,7 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
         if u is not None:
             u[1] = max(u[1], at)
     split = spans_with_recompute(plan, saved)
-    _merge_views(uses, shared_storage(plan), split, nbytes)
+    _merge_views(uses, storage_of(plan, group_of), split, nbytes)
     deltas: list[dict[int, int]] = [{} for _ in range(groups)]
 
     def add(g: int, a: int, e: int, size: int) -> None:

@@ -52,7 +52,7 @@ Recomputation (``recompute``):
 from __future__ import annotations
 
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from spmdkit.core.dist_attr import TensorDistAttr
@@ -230,9 +230,19 @@ STRIDED_RULES = frozenset({"slice", "strided_slice", "split", "split_with_num", 
 
 
 def shared_storage(plan: Plan) -> dict[str, str]:
-    """Forward tensor made by a view of another (a :data:`VIEW_RULES` op, or a ``transpose``)
-    -> the tensor whose storage it is, the first of its chain of views, as torch allocates
-    them: ``transpose`` is always a view (strides swapped); ``squeeze`` / ``unsqueeze`` too;
+    """Forward tensor made by a view of another -> the first tensor of its chain of views, whose
+    storage it is (:func:`view_inputs`)."""
+    parents = view_inputs(plan)
+    out: dict[str, str] = {}
+    for y, (x, _) in parents.items():  # program order: x's own root is known already
+        out[y] = out.get(x, x)
+    return out
+
+
+def view_inputs(plan: Plan) -> dict[str, tuple[str, int]]:
+    """Forward tensor made by a view of another (a :data:`VIEW_RULES` op, or a ``transpose``) ->
+    (the tensor it views, whose storage it is, the op making it), as torch allocates them:
+    ``transpose`` is always a view (strides swapped); ``squeeze`` / ``unsqueeze`` too;
     ``reshape`` / ``flatten`` are a view of a tensor laid out contiguously (its transposes
     undone: HF's ``attn_output.transpose(1, 2)`` of SDPA's transposed flash output) and a copy
     of one that is not, or of a :data:`STRIDED_RULES` op's output (a new storage, the first of
@@ -249,7 +259,7 @@ def shared_storage(plan: Plan) -> dict[str, str]:
                              or local_numel(r.src, shape) != local_numel(r.dst, shape)):
             copied.add((r.op_index, r.tensor))
     made_by: dict[str, str] = {}
-    out: dict[str, str] = {}
+    out: dict[str, tuple[str, int]] = {}
     order: dict[str, tuple[int, ...] | None] = {}  # a view -> its dims' order in its storage (None: not known)
     for i, op in enumerate(prog.ops):
         outs = op.output_names()
@@ -268,14 +278,62 @@ def shared_storage(plan: Plan) -> dict[str, str]:
         if op.rule == "transpose":
             perm = tuple(op.attrs.get("perm", ()))
             order[y] = tuple(have[k] for k in perm) if have is not None and len(perm) == len(have) else None
-        elif have == tuple(range(len(tx.shape))) and made_by.get(out.get(x, x)) not in STRIDED_RULES:
+        elif have == tuple(range(len(tx.shape))) and made_by.get(_root(out, x)) not in STRIDED_RULES:
             order[y] = tuple(range(len(ty.shape)))
         elif op.rule in ("squeeze", "unsqueeze", "unsqueeze2"):
             order[y] = None
         else:
             continue  # a reshape of a tensor not laid out contiguously: a copy
-        out[y] = out.get(x, x)
+        out[y] = (x, i)
     return out
+
+
+def _root(parents: dict[str, tuple[str, int]], n: str) -> str:
+    while (p := parents.get(n)) is not None:
+        n = p[0]
+    return n
+
+
+def storage_of(plan: Plan, group_of: Sequence[int] | None = None) -> Callable[[str, int], tuple[str, bool]]:
+    """The one rule of which storage a tensor the backward keeps holds, in a group of ops (a
+    pipeline stage; ``group_of``: op index -> group, None: one group): (tensor, cast), the tensor
+    whose storage it is and whether that is a cast of its own. A view is its input's storage
+    (:func:`view_inputs`) where the op making it runs in the group, and so on up its chain; a view
+    made in an earlier stage reaches a stage as a buffer of its own, as does its base received
+    beside it: each tensor a stage receives is a fresh allocation (Megatron-Core d98e8a64dd
+    ``pipeline_parallel/p2p_communication.py`` ``_communicate``: ``create_tensor_recv_prev`` is a
+    ``torch.empty`` per receive; torch.distributed.pipelining ``stage.py``: one ``_RecvInfo`` a
+    stage input, its buffer ``_make_tensor_from_meta``'s ``torch.empty``). A tensor kept as its fp8
+    cast (:func:`fp8_stashed`) is that cast, its own, whatever views share its 16-bit storage:
+    Transformer Engine d0067d0da ``module/linear.py`` quantizes each linear's input
+    (``inputmat = input_quantizer(inputmat)``, ``own_quantized_input``) and saves that tensor
+    (``saved_inputmat = inputmat``), so two linears reading a tensor and its view keep two casts.
+    docs/devices.md, "Memory"."""
+    parents = view_inputs(plan)
+    fp8 = fp8_stashed(plan)
+
+    def storage(n: str, g: int) -> tuple[str, bool]:
+        if n in fp8:
+            return n, True
+        while (p := parents.get(n)) is not None and (group_of is None or group_of[p[1]] == g):
+            n = p[0]
+        return n, False
+
+    return storage
+
+
+def kept_storage(plan: Plan, saved: ActivationMemory, group_of: Sequence[int]) -> Callable[[str, int], str]:
+    """A kept tensor and a group whose backward reads it -> the kept tensor whose storage it holds
+    there: the first of its storage (``saved.shared``, counted, the view at 0) where the view is
+    that storage in the group (:func:`storage_of`), else itself (a view received by a later stage,
+    or one kept beside its base's own fp8 cast: a buffer of its own there, at its first's bytes)."""
+    storage = storage_of(plan, group_of)
+
+    def at(n: str, g: int) -> str:
+        first = saved.shared.get(n)
+        return first if first is not None and storage(n, g) == storage(first, g) else n
+
+    return at
 
 
 @dataclass
@@ -401,8 +459,8 @@ def saved_activations(plan: Plan, recompute: str = "none", only: Collection[str]
     tensors: dict[str, list[tuple[str, int]]] = {}
     regathered: list[tuple[str, int]] = []
     order = {n: k for k, n in enumerate(prog.tensors)}
-    views = shared_storage(plan)
-    first: dict[str, tuple[int, str, str]] = {}  # a storage -> (bytes, layer, name) of its first kept tensor
+    storage = storage_of(plan)
+    first: dict[tuple[str, bool], tuple[int, str, str]] = {}  # a storage -> (bytes, layer, name) of its first kept tensor
     shared: dict[str, str] = {}
     for n in sorted(kept, key=order.__getitem__):
         t = prog.tensors[n]
@@ -415,7 +473,7 @@ def saved_activations(plan: Plan, recompute: str = "none", only: Collection[str]
                 regathered.append((n, g[0]))
         b = round(local_numel(attr, t.shape) * (1 if n in fp8 else t.itemsize) * load.get(n, 1.0))
         label = layer_of[n]
-        root = views.get(n, n)
+        root = storage(n, 0)
         got = first.get(root)
         if got is not None and got[:2] == (b, label):
             b = 0  # the storage of a tensor kept before it, in the same layer (shared_storage): counted there

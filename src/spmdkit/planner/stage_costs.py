@@ -17,7 +17,7 @@ from spmdkit.cost.compute import gathered_itemsize
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import activation_deltas, held_for_the_step, local_numel, peak_of, stashed_output_copies
 from spmdkit.cost.memory_fsdp2 import gather_sizes, gathered_numels, last_group, pair_peak
-from spmdkit.cost.memory_saved import ActivationMemory, all_value_inputs, rerun_points, saved_activations
+from spmdkit.cost.memory_saved import ActivationMemory, all_value_inputs, kept_storage, rerun_points, saved_activations
 from spmdkit.cost.step import OpComm, op_communication, shared_gather_savings
 from spmdkit.cost.step_comm import param_gather_time
 from spmdkit.planner.chunk_ops import chunk_ops
@@ -327,9 +327,11 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
     what one microbatch keeps for the backward (``saved``: the forward tensors a backward op
     reads the values of, less those recomputation makes again, at the size they are kept in),
     held by each stage whose backward reads it (a stage keeps the input it received; Megatron-LM
-    frees the output it sent). A tensor made from the data and constants alone, no parameter
-    (an imported model's attention mask, its rotary cos and sin) is not sent: each stage makes
-    its own, as each stage of Megatron-LM makes its masks and rotary tables."""
+    frees the output it sent), a view of a kept tensor once with it where they are one storage
+    on that stage (:func:`~spmdkit.cost.memory_saved.kept_storage`: not a view received). A
+    tensor made from the data and constants alone, no parameter (an imported model's attention
+    mask, its rotary cos and sin) is not sent: each stage makes its own, as each stage of
+    Megatron-LM makes its masks and rotary tables."""
     prog = plan.program
     crossing: dict[str, tuple[int, int]] = {}
     readers: dict[str, set[int]] = {}
@@ -345,10 +347,11 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
             if b > a and transient(nm):
                 _lo, hi = crossing.get(nm, (a, a))
                 crossing[nm] = (a, max(hi, b))
-    for lst in saved.tensors.values():
-        for nm, size in lst:
-            for s in readers.get(nm, ()):
-                out[s].stash_bytes += size
+    at = kept_storage(plan, saved, stages)  # a view counts where it is its storage's first's storage there
+    full = {nm: size for lst in saved.tensors.values() for nm, size in lst}
+    held = {(s, at(nm, s)) for lst in saved.tensors.values() for nm, _ in lst for s in readers.get(nm, ())}
+    for s, nm in held:
+        out[s].stash_bytes += full[saved.shared.get(nm, nm)]
     for s, size in stashed_output_copies(plan, saved, stages).items():  # alltoall cp's head-layout output
         out[s].stash_bytes += size
     for nm, (a, b) in crossing.items():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from spmdkit.cost.memory_saved import ActivationMemory, value_inputs
+from spmdkit.cost.memory_saved import ActivationMemory, kept_storage, value_inputs
 from spmdkit.program.plan import Plan
 
 #: the backward rules of GEMMs with a weight: one GEMM for the input's gradient, one for the weight's
@@ -40,6 +40,8 @@ def weight_stash(plan: Plan, stages: list[int], n: int, saved: ActivationMemory,
     a weight-gradient op reads the values of and the output gradients it reads."""
     prog = plan.program
     size = {nm: b for lst in saved.tensors.values() for nm, b in lst}
+    size.update((v, size[f]) for v, f in saved.shared.items())  # a view's own bytes (its storage's)
+    at = kept_storage(plan, saved, stages)
     out = [0] * n
     seen: set[tuple[str, int]] = set()
     for i in shares:
@@ -49,7 +51,7 @@ def weight_stash(plan: Plan, stages: list[int], n: int, saved: ActivationMemory,
             if (nm, s) in seen or t.kind == "parameter":
                 continue
             if nm in size:
-                nm = saved.shared.get(nm, nm)  # a view kept at 0 bytes: its storage's (memory_saved.shared_storage)
+                nm = at(nm, s)  # a view kept at 0 bytes: its storage's where one on the stage (memory_saved.kept_storage)
                 if (nm, s) not in seen:
                     seen.add((nm, s))
                     out[s] += size[nm]
