@@ -60,6 +60,9 @@ from spmdkit.outputs.export import (
     heads_axis,
     write_atomic_text,
 )
+from spmdkit.outputs.export_torch_mla import STYLE as MLA_STYLE
+from spmdkit.outputs.export_torch_mla import STYLE_SOURCE as MLA_SOURCE
+from spmdkit.outputs.export_torch_mla import broadcast_key_styles
 from spmdkit.outputs.export_torch_moe import STYLE, STYLE_SOURCE, experts_styles
 from spmdkit.outputs.export_torch_pp import (
     FUNCOL,
@@ -110,6 +113,13 @@ class _TorchExport(_DTensorExport):
         """Expert stacks (3-D parameters) sharded over tp: the experts style written into the file
         (:mod:`spmdkit.outputs.export_torch_moe`), or ExportError for what it does not run."""
         self.styles.update(experts_styles(self.plan, self.tp, self.modules))
+
+    def check_broadcast_onto_shards(self) -> None:
+        """A whole tensor broadcast onto heads sharded over tp, its gradient all-reduced (MLA's rotary
+        key): the replicated layer it is split from gets the file's ``GradAllReduceColumns``
+        (:mod:`spmdkit.outputs.export_torch_mla`)."""
+        assert self.tp is not None
+        self.styles.update(broadcast_key_styles(self.plan, self.tp, self.producers, self.modules))
 
     def uses(self, p: str) -> list[tuple[str, str, int, Op]]:
         m = re.fullmatch(r"(.+)\.weight\.part(\d+)", p)
@@ -181,6 +191,10 @@ class _TorchExport(_DTensorExport):
             raise ExportError("--export torch: the plan shards the residual stream over tp on both axis 0 and 1 of "
                               "[batch, seq, hidden]; torch's sequence parallel shards one token axis")
         return found.pop() if found else None
+
+    def input_layout(self, x: str) -> Any:
+        """The tp placement a module's input ``x`` arrives in: as the plan makes it (a token layout)."""
+        return self.token_layout(self.made_as(x), x)
 
     def token_layout(self, pl: Any, x: str) -> Any:
         """``pl`` of tensor ``x`` as a layout of the module's ``[batch, seq, hidden]`` input or
@@ -324,10 +338,11 @@ class _TorchExport(_DTensorExport):
         replicated DTensor (all-gathered from ``Shard(1)`` under sequence parallel)."""
         self.check_row_inputs()
         self.sequence_parallel_norms()
+        self.shared_module_inputs()
         if self.seq_dim is not None:
             self.replicated_beside_tokens()
         for x, mods in self.column_inputs.items():
-            if len(mods) < 2 or x not in self.producers:
+            if len(mods) < 2 or x not in self.producers or x in self.shared_modules.values():
                 continue
             made = self.modules.get(self.producers[x])
             if made is None:
@@ -702,11 +717,13 @@ def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[st
 
 
 def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe: dict[str, Any] | None,
-             experts: bool) -> list[str]:
+             experts: bool, own: bool = False) -> list[str]:
+    """The file's imports; ``experts``: it defines ExpertsTensorParallel; ``own``: a style of its own
+    (ExpertsTensorParallel, GradAllReduceColumns)."""
     lines = ["from __future__ import annotations", ""]
     std = [*(["import copy"] if ex.fused else []),
            *(["import fnmatch"] if ex.conv1d or ex.fused or pipe is not None else []), *(["import types"] if experts else []),
-           *(["from typing import Any"] if pipe is not None or experts else [])]
+           *(["from typing import Any"] if pipe is not None or own else [])]
     lines += [*std, ""] if std else []
     lines += ["import torch", "from torch.distributed.device_mesh import DeviceMesh"]
     if dp is not None:
@@ -714,14 +731,14 @@ def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe:
                      "from torch.distributed._composable.replicate_with_fsdp import replicate")
     if pipe is not None:
         lines += pipeline_imports(pipe)
-    if experts:
-        lines += ["from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, "
-                  "distribute_tensor"]
+    if own:
+        lines += ["from torch.distributed.tensor import DTensor, Partial, Replicate, Shard"
+                  + (", distribute_module, distribute_tensor" if experts else "")]
     elif used:
         lines.append("from torch.distributed.tensor import Replicate, Shard")
-    if used or experts:
+    if used or own:
         lines.append(f"from torch.distributed.tensor.parallel import {', '.join([*used, 'parallelize_module'])}")
-    if experts:
+    if own:
         lines.append("from torch.distributed.tensor.parallel.style import ParallelStyle")
     return lines
 
@@ -774,12 +791,14 @@ def torch_source(plan: Plan, command: str = "",
     dp = data_parallel(plan)
     container = layers_container(plan)
     n_layers = len(layer_tags(plan.program)) if container else 0
-    used = sorted({d["style"] for d in [*styles.values(), *after.values()]} - {STYLE})
+    used = sorted({d["style"] for d in [*styles.values(), *after.values()]} - {STYLE, MLA_STYLE})
     experts = any(d["style"] == STYLE for d in styles.values())
-    lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe, experts),
+    mla = any(d["style"] == MLA_STYLE for d in styles.values())
+    lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe, experts, experts or mla),
              *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage, frozenset(ex.row_bias),
                          frozenset(ex.scaled_lookups))]
     lines += [*STYLE_SOURCE.split("\n")[1:], "", ""] if experts else []
+    lines += [*MLA_SOURCE.split("\n")[1:], "", ""] if mla else []
     lines += _plan_py("TP_PLAN", styles, "module path -> its style over mesh[\"tp\"] (parallelize_module; * is any layer)")
     if after:
         lines += ["", *_plan_py("TP_PLAN_AFTER", after, "applied after TP_PLAN: a norm's sequence-sharded output "
