@@ -24,8 +24,12 @@ per parameter, its shape and its sharding in the framework's terms. The names ar
   An expert-parallel plan's experts get no style (torch has none for experts): the document's
   ``expert_parallel`` names the experts modules and says what torch can and cannot express
   (:mod:`spmdkit.outputs.dtensor_ep`), with a note.
+  A MoE router (or Qwen2-MoE's ``shared_expert_gate``) read whole beside the shared experts'
+  column layers: the shared experts module gets ``PrepareModuleInput`` to a replicated DTensor.
   Refused: ``[in, out]`` weights (GPT-2's Conv1D, the presets'), a
-  weight left replicated beside column layers of the same input (kv heads fewer than tp), and
+  weight left replicated beside column layers of the same input (kv heads fewer than tp), a
+  whole tensor broadcast onto tp-sharded heads (DeepSeek's MLA key: ``--export torch`` writes a
+  style for it), and
   sequence-parallel plans (docs/export.md says why). Load with
   :func:`apply_dtensor_plan` (``apply_dtensor_plan(model, mesh, path)``) or
   :func:`load_dtensor_plan` (``parallelize_module(model, mesh["tp"], load_dtensor_plan(path))``),

@@ -29,13 +29,17 @@ The styles come from the plan, as the ``dtensor`` export derives them
   each by heads: ``parallelize`` reorders its output features so each rank's contiguous block
   (what ``ColwiseParallel`` gives it) is its heads' [q | k | v], its bias with them, and divides
   the attention's ``split_size`` / ``num_heads`` by tp (``FUSED_QKV``, ``fused_order``);
+- a MoE block's shared experts beside its replicated router (DeepSeek-V3, Qwen2-MoE): the shared
+  experts module ``PrepareModuleInput`` to a replicated DTensor (:meth:`_DTensorExport.beside_columns_module`);
+  DeepSeek's MLA key, whole over tp and expanded onto the sharded heads: the file's own
+  ``GradAllReduceColumns`` on the replicated layer it is split from (:mod:`spmdkit.outputs.export_torch_mla`);
 - pipelines (:mod:`spmdkit.outputs.export_torch_pp`): ``PIPELINE`` (the stages' module prefixes,
   torch's schedule, the microbatches), ``pipeline_stage`` and ``build_pipeline``
   (``torch.distributed.pipelining``).
 
 Refused by name (:class:`ExportError`, one line): a fused weight whose parts are not all sharded on
 their output features, a row layer with no column layer beside it, expert stacks over ep (or over
-tp other than the experts style's way), context parallelism (torch's ``context_parallel`` has no
+tp other than the experts style's way), a MoE block with shared experts under sequence parallel, context parallelism (torch's ``context_parallel`` has no
 Ulysses and no eager attention, and what it has runs only in CUDA's SDPA kernels, not on the CPU /
 gloo where an export is checked: ``CP_ON_CPU``), a preset (no HF module), and a pipeline with tied
 parameters, sequence parallel or the interleaved schedule (docs/export.md).
