@@ -236,7 +236,9 @@ def test_shared_experts_beside_the_router_and_mla_export(tmp_path: Path) -> None
     one all-reduce), the router and the gate no style (plain, whole gradients). DeepSeek's MLA key
     (kv_a_proj_with_mqa's last qk_rope_head_dim = 8 features after kv_lora_rank = 16), whole over tp
     and expanded onto the sharded heads, gets the file's GradAllReduceColumns(16, 24). The dtensor
-    export refuses that key (torch's own styles cannot hook it), and sp refuses a shared-experts block."""
+    export refuses that key (torch's own styles cannot hook it). Under megatron,sp Qwen2-MoE's block runs
+    whole between PrepareModuleInputOutput (strategies.hf_sp: it was left on a layout no style runs and
+    refused); DeepSeek-V3's MLA down projections on sequence shards are refused."""
     from torch.distributed.tensor import Replicate
 
     from spmdkit.outputs.export import dtensor_document
@@ -272,9 +274,26 @@ def test_shared_experts_beside_the_router_and_mla_export(tmp_path: Path) -> None
                                           r"cat_5, whole over tp, onto heads sharded over tp \(expand\) and all-reduces "
                                           r"its gradient over tp .*--tp-plan '\{\"self_attn\.q_b_proj\": \"replicate\""):
         dtensor_document(_plan("DeepseekV3ForCausalLM", DSV3, "dp=2,tp=2", "megatron"))
-    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.mlp: a MoE block with shared experts "
-                                          r"\(model\.layers\.0\.mlp\.shared_expert\) under sequence parallel: "):
-        torch_source(_plan("Qwen2MoeForCausalLM", QWEN2MOE, "dp=2,tp=2", "megatron,sp"))
+    # megatron,sp: the MoE block (shared expert included) between Shard(1) -> Replicate() -> Shard(1), as
+    # torchtitan's MoE module; the plan all-reduces the shared expert's gate / up input gradients one by one
+    # there, so no PrepareModuleInput: each ColwiseParallel its own. DeepSeek-V3's MLA down projections run
+    # on sequence shards: refused
+    sp = _export("Qwen2MoeForCausalLM", QWEN2MOE, "dp=2,tp=2", "megatron,sp", tmp_path)
+    s = _styles(sp)
+    assert type(sp.TP_PLAN["model.layers.*.mlp"]).__name__ == "PrepareModuleInputOutput"
+    assert "model.layers.*.mlp.shared_expert" not in s
+    assert s["model.layers.*.mlp.shared_expert.down_proj"][1]["output_layouts"] == Replicate()
+    # forward per layer: q/k/v's and the block's input all-gathered, o_proj reduce-scattered, the shared
+    # down_proj and the experts' rows all-reduced; the embedding's reduce-scatter and the LM head's
+    # all-gather. Backward their mirrors, per layer the experts', gate_proj's and up_proj's input
+    # gradients all-reduced, and the 5 norm weights'
+    assert sp.PLAN_COLLECTIVES == {"forward": {"all_gather_into_tensor": 5, "all_reduce": 4, "reduce_scatter_tensor": 3},
+                                   "backward": {"all_gather_into_tensor": 5, "all_reduce": 2 * 3 + 5,
+                                                "reduce_scatter_tensor": 3}}
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.self_attn\.q_a_proj: replicated over "
+                                          r"tp, and the plan runs it on the token shards of its input \S+ "
+                                          r"\(Shard\(1\) over tp, sequence parallel\); "):
+        torch_source(_plan("DeepseekV3ForCausalLM", DSV3, "dp=2,tp=2", "megatron,sp"))
 
 
 def test_llama_zero1_and_zero2_map_to_fsdp2_without_resharding(tmp_path: Path) -> None:
@@ -556,7 +575,7 @@ GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp
               "gemma2-megatron": ("Gemma2ForCausalLM", GEMMA2, "megatron"),
               "gemma2-megatron,sp": ("Gemma2ForCausalLM", GEMMA2, "megatron,sp"),
               "deepseek_v3-megatron": ("DeepseekV3ForCausalLM", DSV3, "megatron"),
-              "qwen2_moe-megatron": ("Qwen2MoeForCausalLM", QWEN2MOE, "megatron")}
+              "qwen2_moe-megatron,sp": ("Qwen2MoeForCausalLM", QWEN2MOE, "megatron,sp")}
 
 
 @pytest.fixture()
@@ -635,9 +654,10 @@ def test_exported_files_on_gloo_equal_eager(gloo_runs: dict[str, tuple[Any, Any]
     soft-capped logits (x / cap, tanh, x cap) kept vocab-sharded into the parallel loss (its head's
     output was made local before, each rank's loss over half the vocabulary), and under megatron,sp its
     norms SequenceParallel through their 1 + weight and its scaled embedding's partial lookup counted as
-    the all-reduce torch runs inside the module (_SCALED_DOC). DeepSeek-V3 and Qwen2-MoE under megatron:
-    the shared experts beside the replicated router / shared_expert_gate (PrepareModuleInput on the
-    shared experts), DeepSeek's MLA key through GradAllReduceColumns (without it kv_a_proj_with_mqa's
+    the all-reduce torch runs inside the module (_SCALED_DOC). DeepSeek-V3 under megatron and Qwen2-MoE
+    under megatron,sp: the shared experts beside the replicated router / shared_expert_gate
+    (PrepareModuleInput on DeepSeek's shared experts; Qwen2-MoE's MoE block between
+    PrepareModuleInputOutput), DeepSeek's MLA key through GradAllReduceColumns (without it kv_a_proj_with_mqa's
     gradient was each rank's heads' share: 0.9 % off, 2 all-reduces fewer backward)."""
     failures = []
     for case, (result, mod) in gloo_runs.items():

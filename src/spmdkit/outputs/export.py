@@ -226,6 +226,8 @@ class _DTensorExport:
         self.shared_modules: dict[str, str] = {}
         #: the whole layers read beside each of them
         self.whole_beside: dict[str, list[str]] = {}
+        #: those whose column layers' input gradients the plan all-reduces one by one, not summed
+        self.each_own: set[str] = set()
 
     def tensor_parallel_dim(self) -> int | None:
         """The tensor-parallel mesh dim (:func:`_tp_dim`)."""
@@ -489,6 +491,12 @@ class _DTensorExport:
                               f"plain module keeps each rank's own; not exported")
         self.shared_modules[path] = x
         self.whole_beside.setdefault(path, []).append(w.removesuffix(".weight"))
+        weights = {m + ".weight" for m in mods}
+        own = {op.outputs[0] for op in self.prog.ops if op.phase == "backward" and op.rule == "matmul_grad"
+               and op.inputs.get("x") == x and op.inputs.get("y") in weights}
+        reduced = {r.tensor for r, s in self.plan.collectives("backward") if tp in s.mesh_dims}
+        if own and own <= reduced:  # the plan all-reduces each layer's own: ColwiseParallel's, no shared DTensor
+            self.each_own.add(path)
         return True
 
     def shared_module_inputs(self) -> None:
@@ -496,6 +504,11 @@ class _DTensorExport:
         a replicated DTensor (from the layout the plan makes it in), their column layers reading it
         replicated."""
         for path, x in self.shared_modules.items():
+            if path in self.each_own:
+                self.notes.append(f"{path}: its column layers read {x} whole beside "
+                                  f"{', '.join(sorted(set(self.whole_beside.get(path, []))))}, each all-reducing its "
+                                  f"own input gradient, as the plan")
+                continue
             src = _placement_text(self.input_layout(x))
             self.styles[path] = _style_doc("PrepareModuleInput", input_layouts=src, desired_input_layouts="Replicate()",
                                            use_local_output=False)

@@ -290,6 +290,30 @@ class _TorchExport(_DTensorExport):
                               f"sequence parallel shards one token axis of [batch, seq, hidden] for the whole model"
                               f" (here Shard({self.seq_dim}))")
 
+    def check_replicated_on_shards(self) -> None:
+        """A linear layer replicated over tp that the plan runs on its input's token shards (sequence
+        parallel: DeepSeek's MLA down projections ``q_a_proj`` / ``kv_a_proj_with_mqa`` on the norm's
+        sequence shards, their smaller outputs gathered after) is refused: torch's styles give a
+        module with no style the norm's sequence-sharded DTensor (``aten.mm`` then fails on a plain
+        weight: mixed torch.Tensor and DTensor), and no torch style runs a replicated layer on
+        sequence shards (torchtitan gathers the attention's input first)."""
+        assert self.tp is not None
+        prog, tp = self.prog, self.tp
+        for i, op in enumerate(prog.ops):
+            w, x = op.inputs.get("y"), op.inputs.get("x")
+            if op.phase != "forward" or op.rule != "matmul" or not isinstance(w, str) or not isinstance(x, str) \
+                    or w not in self.placements or len(prog.tensors[w].shape) != 2 \
+                    or _tp_placement(self.plan.attrs[w], tp).is_shard():
+                continue
+            pl = self.token_layout(_tp_placement(self.plan.ops[i].required["x"], tp), x)
+            if pl.is_shard() and pl.dim in (0, 1) and pl.dim == self.seq_dim:
+                mod = self.modules.get(i, ("", ""))[0] or w
+                raise ExportError(f"--export torch: {mod}: replicated over tp, and the plan runs it on the token shards "
+                                  f"of its input {x} ({_placement_text(pl)} over tp, sequence parallel); torch's "
+                                  f"styles hand a module with no style the sequence-sharded DTensor and have none "
+                                  f"that runs a replicated layer on sequence shards: not exported (export it without "
+                                  f"sp)")
+
     def replicated_beside_tokens(self) -> None:
         """An embedding the plan keeps replicated over tp (GPT-2's position embedding ``wpe``)
         whose output is added to the token-sharded residual stream (a DTensor under sequence
@@ -341,6 +365,7 @@ class _TorchExport(_DTensorExport):
         """Column layers sharing one input that a module makes: that module's output a
         replicated DTensor (all-gathered from ``Shard(1)`` under sequence parallel)."""
         self.check_row_inputs()
+        self.check_replicated_on_shards()
         self.sequence_parallel_norms()
         self.shared_module_inputs()
         if self.seq_dim is not None:

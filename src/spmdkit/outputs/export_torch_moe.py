@@ -147,17 +147,6 @@ def _block_style(plan: Plan, tp: int, experts: str, ends: tuple[list[str], list[
         return None
     mod = experts.rpartition(".")[0]
     if not (src.is_shard() and got.is_replicate() and made.is_replicate() and dst.is_shard() and src.dim == dst.dim):
-        shared = sorted({w.rsplit(".", 2)[0] for w, a in plan.attrs.items() if w.startswith(mod + ".") and w.endswith(".weight")
-                         and not w.startswith(experts + ".") and prog.tensors[w].kind == "parameter"
-                         and len(prog.tensors[w].shape) == 2 and _tp_placement(a, tp).is_shard()})
-        if shared:
-            raise ExportError(f"--export torch: {mod}: a MoE block with shared experts ({', '.join(shared)}) under "
-                              f"sequence parallel: the plan gathers its tokens {ins[-1]} for the shared experts' "
-                              f"column layers and hands the block's output {outs[-1]} on {_placement_text(dst)} "
-                              f"(the shared experts' row layer reduce-scattered apart from it), not the round trip "
-                              f"Shard(1) -> Replicate() -> Shard(1) around the whole block that torch's "
-                              f"PrepareModuleInputOutput runs (torchtitan's MoE layout): not exported (export it "
-                              f"without sp)")
         raise ExportError(f"--export torch: {mod}: the plan makes its tokens {ins[-1]} {_placement_text(src)} over tp "
                           f"and reads them {_placement_text(got)}, makes its output {outs[-1]} "
                           f"{_placement_text(made)} and hands it on {_placement_text(dst)}; the export runs a MoE "
