@@ -415,9 +415,9 @@ class _DTensorExport:
                         continue
                     if w in routers:
                         raise ExportError(f"{self.flag}: {w}: the MoE router, replicated over tp, reads the input {x} "
-                                          f"of the column-parallel {', '.join(mods)} (shared experts): not exported, "
-                                          f"no style of the export runs a router beside shared experts (a MoE "
-                                          f"block without them, Mixtral's or Qwen3-MoE's, is)")
+                                          f"of the column-parallel {', '.join(mods)}, and those are not the only "
+                                          f"readers of {x} inside one module the router is outside of (the shared "
+                                          f"experts MLP, which PrepareModuleInput gives the input alone): not exported")
                     if w not in kv:
                         raise ExportError(f"{self.flag}: {w}: replicated over tp while {', '.join(mods)} reading the "
                                           f"same input {x} are column-parallel: not exported, the export has no style "
