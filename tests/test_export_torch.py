@@ -36,6 +36,13 @@ GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions
 GPT2_ATTN_WHOLE = {"c_attn": "replicate", "attn.c_proj": "replicate"}
 MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
 PHI3 = {**LLAMA, "pad_token_id": 0}
+#: DeepSeek-V3 (MLA with q_lora, layer 0 dense, layer 1 MoE: 4 experts top 2, one shared expert) and
+#: Qwen2-MoE (a shared expert and its sigmoid gate in every layer)
+DSV3 = {**LLAMA, "num_key_value_heads": 4, "moe_intermediate_size": 32, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+        "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+QWEN2MOE = {**LLAMA, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4,
+            "num_experts_per_tok": 2}
 GEMMA2 = {**LLAMA, "head_dim": 16}
 BATCH, SEQ = 4, 16
 
@@ -222,25 +229,71 @@ def test_gemma2_norms_read_through_one_plus_weight_are_sequence_parallel(tmp_pat
     assert mod.TP_PLAN["model.norm"].sequence_sharding == (mod.Shard(1),)
 
 
-def test_a_whole_layer_beside_column_layers_is_refused_for_what_it_is(tmp_path: Path) -> None:
-    """A replicated layer reading the input of column-parallel ones is refused naming what it is:
-    DeepSeek-V3's router beside its shared experts, Qwen2-MoE's shared_expert_gate; the hint about
-    kv heads fewer than tp only for k / v projections (all three said 'kv heads fewer than tp?')."""
-    dsv3 = {**LLAMA, "num_key_value_heads": 4, "moe_intermediate_size": 32, "n_routed_experts": 4,
-            "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
-            "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-            "v_head_dim": 16}
-    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.1\.mlp\.gate\.weight: the MoE router, "
-                                          r"replicated over tp, reads the input \S+ of the column-parallel "
-                                          r"model\.layers\.1\.mlp\.shared_experts\.gate_proj"):
-        export_torch(_plan("DeepseekV3ForCausalLM", dsv3, "dp=2,tp=2", "megatron"), str(tmp_path / "a.py"))
-    qwen2moe = {**LLAMA, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4,
-                "num_experts_per_tok": 2}
-    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.mlp\.shared_expert_gate\.weight: "
-                                          r"replicated over tp while .* are column-parallel: not exported") as err:
-        export_torch(_plan("Qwen2MoeForCausalLM", qwen2moe, "dp=2,tp=2", "megatron"), str(tmp_path / "b.py"))
-    assert "kv heads" not in str(err.value)
-    assert not list(tmp_path.iterdir())
+def test_shared_experts_beside_the_router_and_mla_export(tmp_path: Path) -> None:
+    """DeepSeek-V3's router (and Qwen2-MoE's shared_expert_gate) read whole the input of the
+    column-parallel shared experts (refused before): the shared experts MLP gets PrepareModuleInput
+    to a replicated DTensor (its gate / up input gradients summed, all-reduced once, as the plan's
+    one all-reduce), the router and the gate no style (plain, whole gradients). DeepSeek's MLA key
+    (kv_a_proj_with_mqa's last qk_rope_head_dim = 8 features after kv_lora_rank = 16), whole over tp
+    and expanded onto the sharded heads, gets the file's GradAllReduceColumns(16, 24). The dtensor
+    export refuses that key (torch's own styles cannot hook it). Under megatron,sp Qwen2-MoE's block runs
+    whole between PrepareModuleInputOutput (strategies.hf_sp: it was left on a layout no style runs and
+    refused); DeepSeek-V3's MLA down projections on sequence shards are refused."""
+    from torch.distributed.tensor import Replicate
+
+    from spmdkit.outputs.export import dtensor_document
+
+    mod = _export("DeepseekV3ForCausalLM", DSV3, "dp=2,tp=2", "megatron", tmp_path)
+    s = _styles(mod)
+    prep = mod.TP_PLAN["model.layers.1.mlp.shared_experts"]
+    assert type(prep).__name__ == "PrepareModuleInput" and prep.input_layouts == (Replicate(),)
+    assert prep.desired_input_layouts == (Replicate(),) and prep.use_local_output is False
+    for lin in ("gate_proj", "up_proj"):
+        assert s[f"model.layers.1.mlp.shared_experts.{lin}"][0] == "ColwiseParallel"
+    assert s["model.layers.1.mlp.shared_experts.down_proj"][0] == "RowwiseParallel"
+    assert s["model.layers.1.mlp.experts"][0] == "ExpertsTensorParallel" and "model.layers.1.mlp.gate" not in s
+    assert "model.layers.*.post_attention_layernorm" not in s  # the router reads the norm's plain output
+    key = mod.TP_PLAN["model.layers.*.self_attn.kv_a_proj_with_mqa"]
+    assert type(key).__name__ == "GradAllReduceColumns" and (key.start, key.stop) == (16, 24)
+    # forward: the embedding, 2 o_proj, layer 0's down_proj, layer 1's experts' rows and shared down_proj;
+    # backward: per layer q_b_proj's and kv_b_proj's input and the MLA key, layer 0's MLP input, layer 1's
+    # experts' input and shared experts' input, the LM head's input
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 6}, "backward": {"all_reduce": 2 * 3 + 1 + 2 + 1}}
+    qwen = _export("Qwen2MoeForCausalLM", QWEN2MOE, "dp=2,tp=2", "megatron", tmp_path)
+    s = _styles(qwen)
+    assert type(qwen.TP_PLAN["model.layers.*.mlp.shared_expert"]).__name__ == "PrepareModuleInput"
+    assert not any(p.endswith(("mlp.gate", "shared_expert_gate")) for p in s)
+    # per layer forward o_proj, the shared expert's down_proj, the experts' rows (and the embedding);
+    # backward the attention's, the experts' and the shared expert's input (and the LM head's)
+    assert qwen.PLAN_COLLECTIVES == {"forward": {"all_reduce": 7}, "backward": {"all_reduce": 7}}
+    doc = dtensor_document(_plan("Qwen2MoeForCausalLM", QWEN2MOE, "dp=2,tp=2", "megatron"))
+    assert doc["parallelize_plan"]["model.layers.0.mlp.shared_expert"] == {
+        "style": "PrepareModuleInput", "input_layouts": "Replicate()", "desired_input_layouts": "Replicate()",
+        "use_local_output": False}
+    with pytest.raises(ExportError, match=r"^--export dtensor: model\.layers\.1\.self_attn: the plan broadcasts "
+                                          r"cat_5, whole over tp, onto heads sharded over tp \(expand\) and all-reduces "
+                                          r"its gradient over tp .*--tp-plan '\{\"self_attn\.q_b_proj\": \"replicate\""):
+        dtensor_document(_plan("DeepseekV3ForCausalLM", DSV3, "dp=2,tp=2", "megatron"))
+    # megatron,sp: the MoE block (shared expert included) between Shard(1) -> Replicate() -> Shard(1), as
+    # torchtitan's MoE module; the plan all-reduces the shared expert's gate / up input gradients one by one
+    # there, so no PrepareModuleInput: each ColwiseParallel its own. DeepSeek-V3's MLA down projections run
+    # on sequence shards: refused
+    sp = _export("Qwen2MoeForCausalLM", QWEN2MOE, "dp=2,tp=2", "megatron,sp", tmp_path)
+    s = _styles(sp)
+    assert type(sp.TP_PLAN["model.layers.*.mlp"]).__name__ == "PrepareModuleInputOutput"
+    assert "model.layers.*.mlp.shared_expert" not in s
+    assert s["model.layers.*.mlp.shared_expert.down_proj"][1]["output_layouts"] == Replicate()
+    # forward per layer: q/k/v's and the block's input all-gathered, o_proj reduce-scattered, the shared
+    # down_proj and the experts' rows all-reduced; the embedding's reduce-scatter and the LM head's
+    # all-gather. Backward their mirrors, per layer the experts', gate_proj's and up_proj's input
+    # gradients all-reduced, and the 5 norm weights'
+    assert sp.PLAN_COLLECTIVES == {"forward": {"all_gather_into_tensor": 5, "all_reduce": 4, "reduce_scatter_tensor": 3},
+                                   "backward": {"all_gather_into_tensor": 5, "all_reduce": 2 * 3 + 5,
+                                                "reduce_scatter_tensor": 3}}
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.self_attn\.q_a_proj: replicated over "
+                                          r"tp, and the plan runs it on the token shards of its input \S+ "
+                                          r"\(Shard\(1\) over tp, sequence parallel\); "):
+        torch_source(_plan("DeepseekV3ForCausalLM", DSV3, "dp=2,tp=2", "megatron,sp"))
 
 
 def test_llama_zero1_and_zero2_map_to_fsdp2_without_resharding(tmp_path: Path) -> None:
@@ -510,7 +563,7 @@ def _ranks() -> Any:
     return torch_export_ranks
 
 
-#: the eight dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
+#: the ten dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
 #: them all (torch_export_ranks.rank_cases: one import of torch and transformers a rank, ~30 s of
 #: CPU a launch saved per case), checked by one test (so one xdist worker runs the spawn)
 GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp,fsdp"),
@@ -520,7 +573,9 @@ GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp
               "gpt2-megatron,sp": ("GPT2LMHeadModel", GPT2, "megatron,sp"),
               "phi3-megatron": ("Phi3ForCausalLM", PHI3, "megatron"),
               "gemma2-megatron": ("Gemma2ForCausalLM", GEMMA2, "megatron"),
-              "gemma2-megatron,sp": ("Gemma2ForCausalLM", GEMMA2, "megatron,sp")}
+              "gemma2-megatron,sp": ("Gemma2ForCausalLM", GEMMA2, "megatron,sp"),
+              "deepseek_v3-megatron": ("DeepseekV3ForCausalLM", DSV3, "megatron"),
+              "qwen2_moe-megatron,sp": ("Qwen2MoeForCausalLM", QWEN2MOE, "megatron,sp")}
 
 
 @pytest.fixture()
@@ -599,7 +654,11 @@ def test_exported_files_on_gloo_equal_eager(gloo_runs: dict[str, tuple[Any, Any]
     soft-capped logits (x / cap, tanh, x cap) kept vocab-sharded into the parallel loss (its head's
     output was made local before, each rank's loss over half the vocabulary), and under megatron,sp its
     norms SequenceParallel through their 1 + weight and its scaled embedding's partial lookup counted as
-    the all-reduce torch runs inside the module (_SCALED_DOC)."""
+    the all-reduce torch runs inside the module (_SCALED_DOC). DeepSeek-V3 under megatron and Qwen2-MoE
+    under megatron,sp: the shared experts beside the replicated router / shared_expert_gate
+    (PrepareModuleInput on DeepSeek's shared experts; Qwen2-MoE's MoE block between
+    PrepareModuleInputOutput), DeepSeek's MLA key through GradAllReduceColumns (without it kv_a_proj_with_mqa's
+    gradient was each rank's heads' share: 0.9 % off, 2 all-reduces fewer backward)."""
     failures = []
     for case, (result, mod) in gloo_runs.items():
         try:

@@ -24,8 +24,12 @@ per parameter, its shape and its sharding in the framework's terms. The names ar
   An expert-parallel plan's experts get no style (torch has none for experts): the document's
   ``expert_parallel`` names the experts modules and says what torch can and cannot express
   (:mod:`spmdkit.outputs.dtensor_ep`), with a note.
+  A MoE router (or Qwen2-MoE's ``shared_expert_gate``) read whole beside the shared experts'
+  column layers: the shared experts module gets ``PrepareModuleInput`` to a replicated DTensor.
   Refused: ``[in, out]`` weights (GPT-2's Conv1D, the presets'), a
-  weight left replicated beside column layers of the same input (kv heads fewer than tp), and
+  weight left replicated beside column layers of the same input (kv heads fewer than tp), a
+  whole tensor broadcast onto tp-sharded heads (DeepSeek's MLA key: ``--export torch`` writes a
+  style for it), and
   sequence-parallel plans (docs/export.md says why). Load with
   :func:`apply_dtensor_plan` (``apply_dtensor_plan(model, mesh, path)``) or
   :func:`load_dtensor_plan` (``parallelize_module(model, mesh["tp"], load_dtensor_plan(path))``),
@@ -218,6 +222,12 @@ class _DTensorExport:
         self.notes: list[str] = []
         self.column_inputs: dict[str, list[str]] = {}
         self.tied_to: dict[str, str] = {}
+        #: modules whose column layers share an input read whole beside them (beside_columns_module)
+        self.shared_modules: dict[str, str] = {}
+        #: the whole layers read beside each of them
+        self.whole_beside: dict[str, list[str]] = {}
+        #: those whose column layers' input gradients the plan all-reduces one by one, not summed
+        self.each_own: set[str] = set()
 
     def tensor_parallel_dim(self) -> int | None:
         """The tensor-parallel mesh dim (:func:`_tp_dim`)."""
@@ -233,6 +243,7 @@ class _DTensorExport:
                 for mod, how, _out_ax, op in self.uses(p):
                     self.loss_parallel = self.style(mod, how, op, pl) or self.loss_parallel
             self.check_whole_beside_columns()
+            self.check_broadcast_onto_shards()
             self.prepare_shared_inputs()
         if self.styles and not self.modules:
             self.notes.append("the program records no module paths (a program JSON): no PrepareModuleOutput derived, "
@@ -400,11 +411,13 @@ class _DTensorExport:
                 w = prog.ops[j].inputs.get("y") if prog.ops[j].rule == "matmul" else None
                 if isinstance(w, str) and w in self.placements and len(prog.tensors[w].shape) == 2 \
                         and not _tp_placement(self.plan.attrs[w], self.tp).is_shard():
+                    if self.beside_columns_module(x, mods, w, j):
+                        continue
                     if w in routers:
                         raise ExportError(f"{self.flag}: {w}: the MoE router, replicated over tp, reads the input {x} "
-                                          f"of the column-parallel {', '.join(mods)} (shared experts): not exported, "
-                                          f"no style of the export runs a router beside shared experts (a MoE "
-                                          f"block without them, Mixtral's or Qwen3-MoE's, is)")
+                                          f"of the column-parallel {', '.join(mods)}, and those are not the only "
+                                          f"readers of {x} inside one module the router is outside of (the shared "
+                                          f"experts MLP, which PrepareModuleInput gives the input alone): not exported")
                     if w not in kv:
                         raise ExportError(f"{self.flag}: {w}: replicated over tp while {', '.join(mods)} reading the "
                                           f"same input {x} are column-parallel: not exported, the export has no style "
@@ -413,6 +426,101 @@ class _DTensorExport:
                                       f"same input {x} are column-parallel (kv heads fewer than tp?): torch runs the "
                                       f"module's code on local shards, which would pair its whole output with their "
                                       f"shards; use a tp that divides the kv heads")
+
+    def check_broadcast_onto_shards(self) -> None:
+        """A tensor whole over tp that the plan broadcasts (``expand``) onto heads sharded over tp and
+        whose gradient it therefore all-reduces over tp (DeepSeek's MLA: the rotary key ``k_rot``, one
+        head from the whole ``kv_a_proj_with_mqa``, shared by every query head) is refused: torch's
+        styles run HF's attention on each rank's heads with no hook inside its forward, so that
+        gradient, and the whole layer's behind it, would stay each rank's heads' share."""
+        assert self.tp is not None
+        for r, s in self.plan.collectives("backward"):
+            op = self.prog.ops[r.op_index]
+            if op.rule != "expand_grad" or s.kind != "all_reduce" or self.tp not in s.mesh_dims:
+                continue
+            x = op.inputs.get("x")
+            i = self.producers.get(x) if isinstance(x, str) else None
+            mod = self.modules.get(i, ("", ""))[0] if i is not None else ""
+            keep = {".".join(w.split(".")[-3:-1]): "replicate" for w in self.weights
+                    if mod and w.startswith(mod + ".") and _tp_placement(self.plan.attrs[w], self.tp).is_shard()}
+            raise ExportError(f"{self.flag}: {mod or x}: the plan broadcasts {x}, whole over tp, onto heads sharded "
+                              f"over tp (expand) and all-reduces its gradient over tp (MLA's rotary key, one head "
+                              f"shared by all); torch's styles run the module's forward on each rank's heads with no "
+                              f"hook inside it, so that gradient would stay each rank's share: not exported (--export torch writes a "
+                              f"style of its own for it; or keep the attention whole over tp: --tp-plan "
+                              f"'{json.dumps(keep)}')")
+
+    def beside_columns_module(self, x: str, mods: list[str], w: str, j: int) -> bool:
+        """Whether the whole layer ``w`` (read by op ``j``) beside the column layers ``mods`` of input
+        ``x`` is one torch runs as the plan does: the column layers are all of ``x``'s readers inside
+        one module M that ``x`` enters from outside (a MoE block's shared experts MLP, DeepSeek-V3's
+        ``shared_experts``, Qwen2-MoE's ``shared_expert``), and ``w`` reads ``x`` outside M (the
+        router, Qwen2-MoE's ``shared_expert_gate``). M then gets ``PrepareModuleInput`` to a
+        replicated DTensor (:meth:`shared_module_inputs`): its column layers' input gradients summed
+        and all-reduced once, as the plan's one all-reduce of their sum; ``w`` reads the plain
+        tensor and its gradient stays whole, as the plan's (refused where the plan reduces it over
+        tp). torchtitan's DeepSeek-V3 runs its MoE block so: the router gate replicated (NoParallel),
+        the shared experts' w1 / w3 ColwiseParallel and w2 RowwiseParallel (torchtitan 9810191^,
+        torchtitan/models/llama4/infra/parallelize.py apply_moe_ep_tp), their parent converting its
+        input to Replicate once before the w1 / w3 fork (torchtitan b5bcd76,
+        torchtitan/models/common/moe_sharding.py _shared_experts_sharding_configs)."""
+        assert self.tp is not None
+        parents = [m.split(".")[:-1] for m in mods]
+        common = parents[0]
+        for p in parents[1:]:
+            k = 0
+            while k < min(len(common), len(p)) and common[k] == p[k]:
+                k += 1
+            common = common[:k]
+        path = ".".join(common)
+
+        def inside(m: str) -> bool:
+            return bool(path) and (m == path or m.startswith(path + "."))
+
+        if not path or inside(self.modules.get(j, ("", ""))[0]):
+            return False
+        made = self.modules.get(self.producers[x], ("", ""))[0] if x in self.producers else ""
+        if inside(made) or any(inside(m) and m not in mods for k in self.fwd_readers.get(x, [])
+                               for m in [self.modules.get(k, ("", ""))[0]]):
+            return False
+        tp = self.tp
+        if any(r.tensor == w + ".grad" and tp in s.mesh_dims for ph in ("backward", "optimizer")
+               for r, s in self.plan.collectives(ph)):
+            raise ExportError(f"{self.flag}: {w}: replicated over tp beside the column-parallel {', '.join(mods)} "
+                              f"(reading {x} outside {path}), and the plan reduces its gradient over tp: torch's "
+                              f"plain module keeps each rank's own; not exported")
+        self.shared_modules[path] = x
+        self.whole_beside.setdefault(path, []).append(w.removesuffix(".weight"))
+        weights = {m + ".weight" for m in mods}
+        own = {op.outputs[0] for op in self.prog.ops if op.phase == "backward" and op.rule == "matmul_grad"
+               and op.inputs.get("x") == x and op.inputs.get("y") in weights}
+        reduced = {r.tensor for r, s in self.plan.collectives("backward") if tp in s.mesh_dims}
+        if own and own <= reduced:  # the plan all-reduces each layer's own: ColwiseParallel's, no shared DTensor
+            self.each_own.add(path)
+        return True
+
+    def shared_module_inputs(self) -> None:
+        """The modules :meth:`beside_columns_module` found: ``PrepareModuleInput`` of their input to
+        a replicated DTensor (from the layout the plan makes it in), their column layers reading it
+        replicated."""
+        for path, x in self.shared_modules.items():
+            if path in self.each_own:
+                self.notes.append(f"{path}: its column layers read {x} whole beside "
+                                  f"{', '.join(sorted(set(self.whole_beside.get(path, []))))}, each all-reducing its "
+                                  f"own input gradient, as the plan")
+                continue
+            src = _placement_text(self.input_layout(x))
+            self.styles[path] = _style_doc("PrepareModuleInput", input_layouts=src, desired_input_layouts="Replicate()",
+                                           use_local_output=False)
+            for m in self.column_inputs.get(x, []):
+                self.styles[m]["input_layouts"] = "Replicate()"
+            beside = ", ".join(sorted(set(self.whole_beside.get(path, []))))
+            self.notes.append(f"{path}: its input {x} (read whole beside it by {beside}) one replicated DTensor for "
+                              f"its column layers, their gradient all-reduced once")
+
+    def input_layout(self, x: str) -> Any:
+        """The tp placement a module's input ``x`` arrives in (the dtensor export: Replicate())."""
+        return Replicate()
 
     def weight_reads(self, p: str) -> list[tuple[int, Op, str]]:
         """The forward ops reading parameter ``p`` (op index, op, the tensor it reads): directly,
@@ -478,10 +586,11 @@ class _DTensorExport:
     def prepare_shared_inputs(self) -> None:
         """Column layers sharing one input made by one module: the module's output a
         replicated DTensor (``PrepareModuleOutput``), its gradient all-reduced once; norms on
-        sharded inputs first (:meth:`norms_on_shards`)."""
+        sharded inputs first (:meth:`norms_on_shards`), then those of :meth:`shared_module_inputs`."""
         self.norms_on_shards()
+        self.shared_module_inputs()
         for x, mods in self.column_inputs.items():
-            if len(mods) < 2 or x not in self.producers:
+            if len(mods) < 2 or x not in self.producers or x in self.shared_modules.values():
                 continue
             made = self.modules.get(self.producers[x])
             if made is None:

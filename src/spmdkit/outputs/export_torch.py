@@ -29,13 +29,17 @@ The styles come from the plan, as the ``dtensor`` export derives them
   each by heads: ``parallelize`` reorders its output features so each rank's contiguous block
   (what ``ColwiseParallel`` gives it) is its heads' [q | k | v], its bias with them, and divides
   the attention's ``split_size`` / ``num_heads`` by tp (``FUSED_QKV``, ``fused_order``);
+- a MoE block's shared experts beside its replicated router (DeepSeek-V3, Qwen2-MoE): the shared
+  experts module ``PrepareModuleInput`` to a replicated DTensor (:meth:`_DTensorExport.beside_columns_module`);
+  DeepSeek's MLA key, whole over tp and expanded onto the sharded heads: the file's own
+  ``GradAllReduceColumns`` on the replicated layer it is split from (:mod:`spmdkit.outputs.export_torch_mla`);
 - pipelines (:mod:`spmdkit.outputs.export_torch_pp`): ``PIPELINE`` (the stages' module prefixes,
   torch's schedule, the microbatches), ``pipeline_stage`` and ``build_pipeline``
   (``torch.distributed.pipelining``).
 
 Refused by name (:class:`ExportError`, one line): a fused weight whose parts are not all sharded on
 their output features, a row layer with no column layer beside it, expert stacks over ep (or over
-tp other than the experts style's way), context parallelism (torch's ``context_parallel`` has no
+tp other than the experts style's way), a MoE block with shared experts under sequence parallel, context parallelism (torch's ``context_parallel`` has no
 Ulysses and no eager attention, and what it has runs only in CUDA's SDPA kernels, not on the CPU /
 gloo where an export is checked: ``CP_ON_CPU``), a preset (no HF module), and a pipeline with tied
 parameters, sequence parallel or the interleaved schedule (docs/export.md).
@@ -60,6 +64,9 @@ from spmdkit.outputs.export import (
     heads_axis,
     write_atomic_text,
 )
+from spmdkit.outputs.export_torch_mla import STYLE as MLA_STYLE
+from spmdkit.outputs.export_torch_mla import STYLE_SOURCE as MLA_SOURCE
+from spmdkit.outputs.export_torch_mla import broadcast_key_styles
 from spmdkit.outputs.export_torch_moe import STYLE, STYLE_SOURCE, experts_styles
 from spmdkit.outputs.export_torch_pp import (
     FUNCOL,
@@ -110,6 +117,13 @@ class _TorchExport(_DTensorExport):
         """Expert stacks (3-D parameters) sharded over tp: the experts style written into the file
         (:mod:`spmdkit.outputs.export_torch_moe`), or ExportError for what it does not run."""
         self.styles.update(experts_styles(self.plan, self.tp, self.modules))
+
+    def check_broadcast_onto_shards(self) -> None:
+        """A whole tensor broadcast onto heads sharded over tp, its gradient all-reduced (MLA's rotary
+        key): the replicated layer it is split from gets the file's ``GradAllReduceColumns``
+        (:mod:`spmdkit.outputs.export_torch_mla`)."""
+        assert self.tp is not None
+        self.styles.update(broadcast_key_styles(self.plan, self.tp, self.producers, self.modules))
 
     def uses(self, p: str) -> list[tuple[str, str, int, Op]]:
         m = re.fullmatch(r"(.+)\.weight\.part(\d+)", p)
@@ -181,6 +195,10 @@ class _TorchExport(_DTensorExport):
             raise ExportError("--export torch: the plan shards the residual stream over tp on both axis 0 and 1 of "
                               "[batch, seq, hidden]; torch's sequence parallel shards one token axis")
         return found.pop() if found else None
+
+    def input_layout(self, x: str) -> Any:
+        """The tp placement a module's input ``x`` arrives in: as the plan makes it (a token layout)."""
+        return self.token_layout(self.made_as(x), x)
 
     def token_layout(self, pl: Any, x: str) -> Any:
         """``pl`` of tensor ``x`` as a layout of the module's ``[batch, seq, hidden]`` input or
@@ -272,6 +290,30 @@ class _TorchExport(_DTensorExport):
                               f"sequence parallel shards one token axis of [batch, seq, hidden] for the whole model"
                               f" (here Shard({self.seq_dim}))")
 
+    def check_replicated_on_shards(self) -> None:
+        """A linear layer replicated over tp that the plan runs on its input's token shards (sequence
+        parallel: DeepSeek's MLA down projections ``q_a_proj`` / ``kv_a_proj_with_mqa`` on the norm's
+        sequence shards, their smaller outputs gathered after) is refused: torch's styles give a
+        module with no style the norm's sequence-sharded DTensor (``aten.mm`` then fails on a plain
+        weight: mixed torch.Tensor and DTensor), and no torch style runs a replicated layer on
+        sequence shards (torchtitan gathers the attention's input first)."""
+        assert self.tp is not None
+        prog, tp = self.prog, self.tp
+        for i, op in enumerate(prog.ops):
+            w, x = op.inputs.get("y"), op.inputs.get("x")
+            if op.phase != "forward" or op.rule != "matmul" or not isinstance(w, str) or not isinstance(x, str) \
+                    or w not in self.placements or len(prog.tensors[w].shape) != 2 \
+                    or _tp_placement(self.plan.attrs[w], tp).is_shard():
+                continue
+            pl = self.token_layout(_tp_placement(self.plan.ops[i].required["x"], tp), x)
+            if pl.is_shard() and pl.dim in (0, 1) and pl.dim == self.seq_dim:
+                mod = self.modules.get(i, ("", ""))[0] or w
+                raise ExportError(f"--export torch: {mod}: replicated over tp, and the plan runs it on the token shards "
+                                  f"of its input {x} ({_placement_text(pl)} over tp, sequence parallel); torch's "
+                                  f"styles hand a module with no style the sequence-sharded DTensor and have none "
+                                  f"that runs a replicated layer on sequence shards: not exported (export it without "
+                                  f"sp)")
+
     def replicated_beside_tokens(self) -> None:
         """An embedding the plan keeps replicated over tp (GPT-2's position embedding ``wpe``)
         whose output is added to the token-sharded residual stream (a DTensor under sequence
@@ -323,11 +365,13 @@ class _TorchExport(_DTensorExport):
         """Column layers sharing one input that a module makes: that module's output a
         replicated DTensor (all-gathered from ``Shard(1)`` under sequence parallel)."""
         self.check_row_inputs()
+        self.check_replicated_on_shards()
         self.sequence_parallel_norms()
+        self.shared_module_inputs()
         if self.seq_dim is not None:
             self.replicated_beside_tokens()
         for x, mods in self.column_inputs.items():
-            if len(mods) < 2 or x not in self.producers:
+            if len(mods) < 2 or x not in self.producers or x in self.shared_modules.values():
                 continue
             made = self.modules.get(self.producers[x])
             if made is None:
@@ -702,11 +746,13 @@ def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[st
 
 
 def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe: dict[str, Any] | None,
-             experts: bool) -> list[str]:
+             experts: bool, own: bool = False) -> list[str]:
+    """The file's imports; ``experts``: it defines ExpertsTensorParallel; ``own``: a style of its own
+    (ExpertsTensorParallel, GradAllReduceColumns)."""
     lines = ["from __future__ import annotations", ""]
     std = [*(["import copy"] if ex.fused else []),
            *(["import fnmatch"] if ex.conv1d or ex.fused or pipe is not None else []), *(["import types"] if experts else []),
-           *(["from typing import Any"] if pipe is not None or experts else [])]
+           *(["from typing import Any"] if pipe is not None or own else [])]
     lines += [*std, ""] if std else []
     lines += ["import torch", "from torch.distributed.device_mesh import DeviceMesh"]
     if dp is not None:
@@ -714,14 +760,14 @@ def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe:
                      "from torch.distributed._composable.replicate_with_fsdp import replicate")
     if pipe is not None:
         lines += pipeline_imports(pipe)
-    if experts:
-        lines += ["from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, "
-                  "distribute_tensor"]
+    if own:
+        lines += ["from torch.distributed.tensor import DTensor, Partial, Replicate, Shard"
+                  + (", distribute_module, distribute_tensor" if experts else "")]
     elif used:
         lines.append("from torch.distributed.tensor import Replicate, Shard")
-    if used or experts:
+    if used or own:
         lines.append(f"from torch.distributed.tensor.parallel import {', '.join([*used, 'parallelize_module'])}")
-    if experts:
+    if own:
         lines.append("from torch.distributed.tensor.parallel.style import ParallelStyle")
     return lines
 
@@ -774,12 +820,14 @@ def torch_source(plan: Plan, command: str = "",
     dp = data_parallel(plan)
     container = layers_container(plan)
     n_layers = len(layer_tags(plan.program)) if container else 0
-    used = sorted({d["style"] for d in [*styles.values(), *after.values()]} - {STYLE})
+    used = sorted({d["style"] for d in [*styles.values(), *after.values()]} - {STYLE, MLA_STYLE})
     experts = any(d["style"] == STYLE for d in styles.values())
-    lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe, experts),
+    mla = any(d["style"] == MLA_STYLE for d in styles.values())
+    lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe, experts, experts or mla),
              *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage, frozenset(ex.row_bias),
                          frozenset(ex.scaled_lookups))]
     lines += [*STYLE_SOURCE.split("\n")[1:], "", ""] if experts else []
+    lines += [*MLA_SOURCE.split("\n")[1:], "", ""] if mla else []
     lines += _plan_py("TP_PLAN", styles, "module path -> its style over mesh[\"tp\"] (parallelize_module; * is any layer)")
     if after:
         lines += ["", *_plan_py("TP_PLAN_AFTER", after, "applied after TP_PLAN: a norm's sequence-sharded output "

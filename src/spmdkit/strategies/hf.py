@@ -53,7 +53,8 @@ collective is left (a part's value is its slice of the module's weight:
   reduce-scatter pair. A MoE block (:func:`spmdkit.strategies.hf_moe.moe_ends`) is run as
   Megatron and torchtitan run one under tp: its tokens gathered before the router (every tp rank
   routes the whole sequence, each expert split over tp; the gradient reduce-scattered back), its
-  output sliced back to the sequence shard (its gradient gathered); with ``ep`` the batch is
+  output sliced back to the sequence shard (its gradient gathered), a shared expert inside the
+  block (its row layer all-reduced there, not reduce-scattered); with ``ep`` the batch is
   co-sharded ``(dp, ep)`` throughout. Under ``ep,etp=1`` the import routes each sequence one
   chunk a tp rank (:func:`spmdkit.strategies.experts.tp_chunks`: Megatron's ETP = 1 token path):
   nothing is gathered, each tp rank routes its own sequence shard and the all-to-all over the

@@ -151,12 +151,23 @@ def shard_experts(prog: Program, mesh: ProcessMesh, dm: Any, tp: int, sharded: d
     return found
 
 
+def block_module(prog: Program, m: MoeProjections) -> str:
+    """The MoE block's module path (the experts module's parent: HF's sparse MoE block, which
+    runs the router, the experts and any shared experts), or "" where the program records none."""
+    modules = getattr(prog, "modules", None) or {}
+    experts = modules.get(m.dispatch, ("", ""))[0]
+    return str(experts).rpartition(".")[0]
+
+
 def moe_ends(prog: Program, layers: list[MoeProjections]) -> list[tuple[list[str], list[str]]]:
     """Each MoE layer's ends: its input tokens (the dispatch's ``x``, then back through reshapes to
     the tensor it is read from, the last: a norm's output) and its output (the combine's, then on
-    through reshapes, the last: what the residual add reads). Sequence parallel gathers the first
+    through reshapes and the block's own adds of a shared expert's output, the last: what the
+    residual add reads). Sequence parallel gathers the first
     before the block and returns the second to sequence shards (strategies.hf)."""
     producer = {o: op for op in prog.ops if op.phase == "forward" for o in op.output_names()}
+    modules = getattr(prog, "modules", None) or {}
+    module_of = {id(op): modules[i][0] for i, op in enumerate(prog.ops) if i in modules}
     readers: dict[str, list[Op]] = {}
     for op in prog.ops:
         if op.phase == "forward":
@@ -170,10 +181,12 @@ def moe_ends(prog: Program, layers: list[MoeProjections]) -> list[tuple[list[str
                 and isinstance(producer[ins[-1]].inputs.get("x"), str):
             ins.append(producer[ins[-1]].inputs["x"])
         outs = [prog.ops[m.combine].output_names()[0]]
-        while len(readers.get(outs[-1], [])) == 1 and readers[outs[-1]][0].rule == "reshape":
+        block = block_module(prog, m)
+        while len(readers.get(outs[-1], [])) == 1 and (readers[outs[-1]][0].rule == "reshape" or (
+                block and readers[outs[-1]][0].rule == "add" and module_of.get(id(readers[outs[-1]][0])) == block)):
             outs.append(readers[outs[-1]][0].output_names()[0])
         out.append((ins, outs))
     return out
 
 
-__all__ = ["MoeProjections", "moe_ends", "moe_projections", "shard_experts"]
+__all__ = ["MoeProjections", "block_module", "moe_ends", "moe_projections", "shard_experts"]

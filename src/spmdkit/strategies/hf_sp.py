@@ -15,7 +15,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.program.ir import Program
 from spmdkit.strategies.experts import chunk_entries
-from spmdkit.strategies.hf_moe import moe_ends, moe_projections
+from spmdkit.strategies.hf_moe import block_module, moe_ends, moe_projections
 from spmdkit.strategies.hf_program import data_inputs, forward_readers
 
 
@@ -43,10 +43,16 @@ def sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, st
     # a weight read through its transpose (FalconLinear's x @ W.T): the transpose -> the weight
     via = {op.output_names()[0]: op.inputs["x"] for _i, op in fwd if op.rule == "transpose"
            and isinstance(op.inputs.get("x"), str) and op.inputs["x"] in sharded}
-    for _i, op in fwd:
+    # the MoE blocks run whole on the gathered tokens (not under ETP = 1): a shared expert's row
+    # layer inside one reduces its output whole, the block's output returned to sequence shards
+    modules = getattr(prog, "modules", None) or {}
+    blocks = tuple(b + "." for b in (block_module(prog, m) for m in moe_projections(prog)) if b) if fold is None else ()
+    for i, op in fwd:
         y = op.inputs.get("y") if op.rule == "matmul" else op.inputs.get("weight")
         role = sharded.get(via.get(y, y)) if isinstance(y, str) else None
         if role is None:
+            continue
+        if role == "row" and blocks and modules.get(i, ("", ""))[0].startswith(blocks):
             continue
         if op.rule in ("embedding", "c_embedding"):
             if role == "vocab":  # a token table (not T5's per-head position bias)
@@ -150,8 +156,11 @@ def _dims(entry: Entry) -> tuple[int, ...]:
 def _moe_sequence_parallel(prog: Program, mesh: ProcessMesh, dm: Any, batch_dims: Entry, tp: int, cp: Entry | None,
                            fold: int | None, gathered: frozenset[str], shard_seq: Callable[[str], None],
                            grads_of: Callable[[str], list[str]]) -> None:
-    """The MoE blocks (:func:`spmdkit.strategies.hf_moe.moe_ends`) under ``sp`` (a block with a
-    shared expert, whose column layers gather the same tokens, left as it was):
+    """The MoE blocks (:func:`spmdkit.strategies.hf_moe.moe_ends`) under ``sp``, a block with a shared
+    expert too (its column layers read the same gathered tokens, its row layer's output reduced whole
+    inside the block and added to the experts' before the block's output returns to sequence shards:
+    torchtitan's MoE module boundary, ``PrepareModuleInputOutput`` around router, experts and shared
+    experts, torchtitan 9810191^ torchtitan/models/llama4/infra/parallelize.py ``apply_moe_ep_tp``):
 
     - routed whole, or in cp chunks only (ETP = tp), as Megatron and torchtitan run one under tp:
       its tokens gathered before the router (every tp rank routes the whole sequence, each expert
@@ -168,7 +177,7 @@ def _moe_sequence_parallel(prog: Program, mesh: ProcessMesh, dm: Any, batch_dims
     seq = _dims(cp) if cp is not None else ()
     ranks = math.prod(mesh.shape[d] for d in seq)
     for moe_in, moe_out in moe_ends(prog, moe_projections(prog)):
-        if not moe_in or set(moe_in) & gathered:
+        if not moe_in or (fold is not None and set(moe_in) & gathered):
             continue
         shape = prog.tensors[moe_in[0]].shape
         own = chunk_entries(mesh, shape[1], fold, *(seq[:2] if seq else (None,)))[0] if len(shape) == 4 else -1
