@@ -256,7 +256,7 @@ def _write_files(req: PlanRequest, res: SearchResult, best: Candidate, title: st
     if req.outputs.export and best.config.pp > 1:
         raise ProgramError(f"--export: the best configuration ({best.config.label()}) is a pipeline (pp) plan; "
                            "--export does not apply to one yet (give --mesh without pp)")
-    others = [(c.config.label(), c.plan) for c in res.fitting[1:]  # planned whole (a folded one holds a copy's plan)
+    others = [(c.config.label(), c.plan, c.memory) for c in res.fitting[1:]  # planned whole (a folded: a copy's plan)
               if c.plan is not None and c.config.pp == 1 and not c.folded][:MAX_ALTERNATIVES]
     est = best.estimate
     if isinstance(est, PipelineEstimate):  # a pp configuration

@@ -1,0 +1,39 @@
+"""What ``plan --devices N`` writes beside its table (the best plan's --html page, its --json)
+agrees with the table, and what the search refuses is refused in the flag's terms. Tiny presets."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from contextlib import redirect_stderr, redirect_stdout
+from typing import Any
+
+from spmdkit.outputs.report import fmt_bytes
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    from spmdkit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main(list(args))
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_devices_page_compares_the_memory_the_search_priced(tmp_path: Any) -> None:
+    # the page's "other plans" table gave each configuration's memory as memory_per_device of its plan
+    # without its recomputation, framework or the device's overheads (tens of KiB here for the 768 MiB a
+    # device holds), and "this plan" another figure than the page's own card
+    page = tmp_path / "best.html"
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "4", "--json", "--html", str(page))
+    assert rc == 0, err
+    top = json.loads(out)["search"]["top"]
+    text = page.read_text()
+    table = text[text.index("<th>memory</th></tr>"):]
+    table = table[:table.index("</table>")]
+    rows = re.findall(r"<tr><td>([^<]*)</td>(?:<td>[^<]*</td>){3}<td>([^<]*)</td></tr>", table)
+    assert len(rows) >= 2 and rows[0] == ("this plan", fmt_bytes(top[0]["memory_per_device"]))
+    priced = {fmt_bytes(t["memory_per_device"]) for t in top}
+    assert all(mem in priced for _, mem in rows[1:]), rows
+    assert f"memory per device<b>{fmt_bytes(top[0]['memory_per_device'])}</b>" in text  # the card
