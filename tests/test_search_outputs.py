@@ -37,3 +37,24 @@ def test_devices_page_compares_the_memory_the_search_priced(tmp_path: Any) -> No
     priced = {fmt_bytes(t["memory_per_device"]) for t in top}
     assert all(mem in priced for _, mem in rows[1:]), rows
     assert f"memory per device<b>{fmt_bytes(top[0]['memory_per_device'])}</b>" in text  # the card
+
+
+def test_a_device_file_without_memory(tmp_path: Any) -> None:
+    # a device file needs no memory_gb (only peak_tflops' fp32 and hbm_gb_per_s): the device holds 0
+    # bytes, which plan takes as unknown (no fit verdict); the search fitted every plan into 0 B and
+    # reported that none fits, and --stages auto marked every split '(does not fit)'
+    dev = tmp_path / "dev.json"
+    dev.write_text('{"peak_tflops": {"fp32": 10}, "hbm_gb_per_s": 100}')
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--device", str(dev))
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines()[-1] == (
+        "spmdkit plan: ProgramError: --devices: the device 'custom device' states no memory (its file has no "
+        "memory_gb and no base), so the search has nothing to fit the plans in: give --memory SIZE, or memory_gb "
+        "in the device file")
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--device", str(dev), "--memory", "1GB",
+                        "--json")
+    assert rc == 0 and json.loads(out)["search"]["memory_cap"] == 10**9
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--mesh", "pp=2,dp=1,tp=1", "--strategy", "dp",
+                        "--device", str(dev), "--stages", "auto")
+    assert rc == 0 and "note: --stages auto: 1,1" in out + err and "fullest rank 0.8 GiB" in out + err
+    assert "does not fit" not in out + err
