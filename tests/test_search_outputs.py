@@ -58,3 +58,15 @@ def test_a_device_file_without_memory(tmp_path: Any) -> None:
                         "--device", str(dev), "--stages", "auto")
     assert rc == 0 and "note: --stages auto: 1,1" in out + err and "fullest rank 0.8 GiB" in out + err
     assert "does not fit" not in out + err
+
+
+def test_plan_help_names_every_device_preset() -> None:
+    # the help listed a100-40gb, a100-80gb, h100, h200: --device h800 plans, and its error names it
+    import argparse
+
+    from spmdkit.cli import build_parser
+    from spmdkit.cost.devices import DEVICES
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    action = next(a for a in sub.choices["plan"]._actions if "--device" in a.option_strings)
+    assert action.help is not None and f"a preset ({', '.join(DEVICES)})" in action.help and "h800" in action.help

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, fields
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.devices import DEVICES
 from spmdkit.models.zoo import PRESETS, is_config_text
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE
 from spmdkit.program.runtime import CE_KERNELS, Runtime, parse_moe_histogram, parse_moe_skew, parse_precision
@@ -371,7 +372,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--annotate", action="append", default=[], metavar="TENSOR=DIMS_MAPPING",
                    help='pin a tensor, e.g. --annotate "tokens=[0,-1]" (repeatable)')
     p.add_argument("--cost", help='link costs per mesh dim, e.g. "tp=5us/150GB,dp=20us/25GB"')
-    p.add_argument("--device", help="predict the step on this GPU: a preset (a100-40gb, a100-80gb, h100, h200) "
+    p.add_argument("--device", help=f"predict the step on this GPU: a preset ({', '.join(DEVICES)}) "
                                     "or a JSON file (docs/devices.md); also sets the links of --cost")
     p.add_argument("--nodes-of", dest="nodes_of", metavar="N",
                    help="ranks per node (the device's, 8, by default): inner mesh dims within N ranks use NVLink")
