@@ -70,3 +70,26 @@ def test_plan_help_names_every_device_preset() -> None:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     action = next(a for a in sub.choices["plan"]._actions if "--device" in a.option_strings)
     assert action.help is not None and f"a preset ({', '.join(DEVICES)})" in action.help and "h800" in action.help
+
+
+def test_devices_hf_moe_header_keeps_the_import_note_below(tmp_path: Any) -> None:
+    # an HF MoE import's title carries a note line ('note: MoE: ... lowered ...'): the header put
+    # 'on 2 devices (...)' at the end of the note, the JSON title ran '; best of 2 devices: ...' into it
+    # and the recipe's model (torchtitan's job description) carried the note whole
+    from hf_moe_helpers import MIXTRAL
+
+    recipe = tmp_path / "r.json"
+    argv = ["plan", "--hf", "MixtralForCausalLM", "--hf-config", json.dumps(MIXTRAL), "--devices", "2", "--seq", "8",
+            "--batch", "2", "--strategy", "dp", "--recompute", "none"]
+    rc, out, err = _cli(*argv)
+    assert rc == 0, err
+    first, note = out.splitlines()[:2]
+    assert first == "MixtralForCausalLM (HuggingFace), batch 2, seq 8 on 2 devices (NVIDIA H100 SXM5 80GB)"
+    assert note.startswith("note: MoE: 1 block(s) lowered") and "devices" not in note
+    rc, out, err = _cli(*argv, "--json", "--export-recipe", "json", str(recipe))
+    assert rc == 0, err
+    title = json.loads(out)["title"].split("\n")
+    assert title[0].startswith("MixtralForCausalLM (HuggingFace), batch 2, seq 8; best of 2 devices: mesh dp=")
+    assert title[1] == note
+    assert json.loads(recipe.read_text())["model"] == "MixtralForCausalLM (HuggingFace), batch 2, seq 8"
+

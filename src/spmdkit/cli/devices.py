@@ -106,7 +106,8 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
                                        m.fallback or "error")
         else:
             verdict = verify_config(best, str(model), req.links.cost)
-    title = f"{what}; best of {n} devices: {best.title}" if best is not None else what
+    what, *notes = what.split("\n")  # an HF title's warning and note lines stay below its first (as plan's)
+    title = "\n".join([f"{what}; best of {n} devices: {best.title}" if best is not None else what, *notes])
     if best is not None:
         _write_files(req, res, best, title)
         if req.outputs.recipe is not None:
@@ -120,7 +121,7 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
         else None
     if req.outputs.json:
         return _write_json(res, best, title, verdict, out, hint)
-    out.write(f"{what} on {n} devices ({res.device.name})\n")
+    out.write("\n".join([f"{what} on {n} devices ({res.device.name})", *notes]) + "\n")
     write_search(res, out)
     if best is None:
         out.write(why_none(res, n, batch if batch is not None else _batch_of(model)) + "\n")
