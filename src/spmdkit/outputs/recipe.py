@@ -75,9 +75,24 @@ def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -
             "grad_accum": cf.grad_accum if cf.pp == 1 else None,
             "schedule": ("Interleaved1F1B" if cf.virtual > 1 else "1F1B") if cf.pp > 1 else None,
             "virtual_stages": cf.virtual if cf.pp > 1 else None,
+            "precision": _precision(c),
             **({"float8": f8} if (f8 := _float8(c)) is not None else {}),
             "predicted": {"step_s": c.step_s, "mfu": c.mfu, "memory_per_device": c.memory,
                           "tokens_per_s": global_batch * seq / c.step_s if c.step_s > 0 else None}}
+
+
+#: a parameter dtype -> the precision the plan trains in (its --precision where given)
+_PRECISIONS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _precision(c: Candidate) -> str:
+    """What the plan's linear layers compute in: ``--precision`` where given, else the dtype most of
+    the program's parameters have (as the step's peak rate takes it)."""
+    rt = c.plan.runtime
+    if rt.precision is not None:
+        return rt.precision
+    dtypes = [t.dtype for t in c.plan.program.tensors.values() if t.kind == "parameter"]
+    return _PRECISIONS.get(max(set(dtypes), key=dtypes.count), "fp32") if dtypes else "fp32"
 
 
 def _float8(c: Candidate) -> dict[str, Any] | None:
@@ -164,6 +179,11 @@ def megatron_args(r: dict[str, Any]) -> str:
             f"--context-parallel-size {r['context_parallel']}", f"--expert-model-parallel-size {r['expert_parallel']}",
             f"--micro-batch-size {r['micro_batch']}", f"--global-batch-size {r['global_batch']}",
             f"--seq-length {r['seq']}", f"--num-layers {r['layers']}"]
+    # the precision the plan was priced in: Megatron-LM trains in fp32 without --bf16 / --fp16
+    # (d98e8a64dd megatron/core/model_parallel_config.py: bf16 = False); fp8 as its Llama 3 example runs it
+    # (examples/llama/train_llama3_8b_h100_fp8.sh: --bf16 with --fp8-format hybrid)
+    prec = r.get("precision", "fp32")
+    args += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp8": ["--bf16", "--fp8-format hybrid"]}.get(prec, [])
     if r["ep"] > 1 and r["expert_tensor_parallel"] == 1 < r["tp"]:  # ETP = 1: each expert whole
         args.append("--expert-tensor-parallel-size 1")
     if r.get("virtual_stages") and r["virtual_stages"] > 1:
