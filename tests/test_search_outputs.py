@@ -89,7 +89,20 @@ def test_devices_hf_moe_header_keeps_the_import_note_below(tmp_path: Any) -> Non
     rc, out, err = _cli(*argv, "--json", "--export-recipe", "json", str(recipe))
     assert rc == 0, err
     title = json.loads(out)["title"].split("\n")
-    assert title[0].startswith("MixtralForCausalLM (HuggingFace), batch 2, seq 8; best of 2 devices: mesh dp=")
+    assert title[0] == "MixtralForCausalLM (HuggingFace), batch 2, seq 8; best of 2 devices: mesh dp=2,tp=1; dp"
     assert title[1] == note
     assert json.loads(recipe.read_text())["model"] == "MixtralForCausalLM (HuggingFace), batch 2, seq 8"
 
+
+def test_devices_given_strategy_goes_to_the_meshes_it_uses() -> None:
+    # --strategy dp was planned on dp=1 x tp=4 (every tp rank the same sequences: four GPUs, one
+    # replica) and ranked above the 2 x 2 mesh for its missing gradient reduction; --strategy tp (megatron's
+    # alias) was planned on the tp=1 meshes, which are dp, and won there
+    from spmdkit.planner.search import search_meshes
+
+    meshes = {s: {(c.config.dp, c.config.tp, c.config.pp) for c in search_meshes("tiny-llama", 4, "h100",
+                                                                                strategies=[s], recompute=["none"])
+                  .candidates}
+              for s in ("dp", "tp", "fsdp", "megatron")}
+    assert meshes["dp"] == meshes["fsdp"] == {(4, 1, 1), (2, 1, 2)}
+    assert meshes["tp"] == meshes["megatron"] == {(2, 2, 1), (1, 4, 1), (1, 2, 2)}
