@@ -106,3 +106,13 @@ def test_devices_given_strategy_goes_to_the_meshes_it_uses() -> None:
               for s in ("dp", "tp", "fsdp", "megatron")}
     assert meshes["dp"] == meshes["fsdp"] == {(4, 1, 1), (2, 1, 2)}
     assert meshes["tp"] == meshes["megatron"] == {(2, 2, 1), (1, 4, 1), (1, 2, 2)}
+
+
+def test_auto_time_limit_without_auto_is_refused() -> None:
+    # it was accepted and changed nothing (its default was the text "60", a given value not told apart)
+    for extra in (["--mesh", "dp=2,tp=2"], ["--devices", "2"]):
+        rc, out, err = _cli("plan", "--model", "tiny-llama", *extra, "--auto-time-limit", "5")
+        assert rc == 2 and out == "" and err.strip() == ("spmdkit plan: ProgramError: --auto-time-limit: applies to "
+                                                         "the --auto search (with or without --devices); give --auto too")
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--explain")
+    assert rc == 2 and "--explain: applies to the --auto search (with or without --devices)" in err

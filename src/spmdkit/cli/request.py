@@ -137,7 +137,7 @@ class SearchArgs:
     (the cap) and ``--explain``."""
 
     auto: bool = False
-    time_limit: str = "60"
+    time_limit: str | None = None  # (None: not given; the search's 60 s)
     memory: str | None = None
     explain: bool = False
 
@@ -463,7 +463,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="search the shardings (an ILP over the rules' candidates, solved by HiGHS; needs highspy) "
                         "instead of a --strategy; --annotate pins are kept; minimises communication time, plus compute "
                         "time with --device")
-    p.add_argument("--auto-time-limit", dest="auto_time_limit", default="60", metavar="SECONDS",
+    p.add_argument("--auto-time-limit", dest="auto_time_limit", metavar="SECONDS",
                    help="the --auto solver's time limit (default 60)")
     p.add_argument("--memory", metavar="SIZE",
                    help="memory per device the plan must fit in, e.g. 80GiB, 80GB (10^9 bytes), 512MiB or a byte "
