@@ -115,4 +115,11 @@ def test_auto_time_limit_without_auto_is_refused() -> None:
         assert rc == 2 and out == "" and err.strip() == ("spmdkit plan: ProgramError: --auto-time-limit: applies to "
                                                          "the --auto search (with or without --devices); give --auto too")
     rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--explain")
-    assert rc == 2 and "--explain: applies to the --auto search (with or without --devices)" in err
+    assert rc == 2 and "--explain: applies to the --auto search of a --mesh; give --auto too" in err
+
+
+def test_devices_auto_explain_is_refused() -> None:
+    # --devices --auto --explain was accepted and explained nothing (the search keeps no runner-ups)
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--auto", "--explain")
+    assert rc == 2 and out == "" and err.startswith("spmdkit plan: ProgramError: --explain: applies to the --auto "
+                                                    "search of a --mesh")

@@ -217,6 +217,10 @@ def _check_flags(req: PlanRequest) -> None:
         raise ProgramError(f"{flag}: does not apply with --devices (the search chooses the pipeline: 1F1B, "
                            "one sequence per dp rank per microbatch; give --global-batch and --micro-batch for "
                            "gradient accumulation)")
+    if req.search.explain:  # (it was accepted with --auto and explained nothing)
+        raise ProgramError("--explain: applies to the --auto search of a --mesh (its layers' choices and runner-ups); "
+                           "the --devices search does not explain its meshes' solves: plan the best mesh with --mesh "
+                           "... --auto --explain")
     check_one_model(req.model)
     if req.verify and req.model.program:
         raise ProgramError("--verify: simulates a preset, catalog or --hf model's strategy; it does not apply to "

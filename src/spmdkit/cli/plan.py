@@ -67,9 +67,9 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
             for flag, given in (("--memory", req.search.memory is not None), ("--explain", req.search.explain),
                                 ("--auto-time-limit", req.search.time_limit is not None)):
                 if given and not req.search.auto and not (flag == "--memory" and devices):
-                    raise ProgramError(f"{flag}: applies to the --auto search"
-                                       + (" and --devices" if flag == "--memory" else " (with or without --devices)")
-                                       + "; give --auto too")
+                    where = {"--memory": " and --devices", "--explain": " of a --mesh"}.get(
+                        flag, " (with or without --devices)")
+                    raise ProgramError(f"{flag}: applies to the --auto search{where}; give --auto too")
             if req.outputs.html:
                 check_html_path(req.outputs.html)  # before planning
             if req.outputs.export:  # a bad format or folder refused before planning
