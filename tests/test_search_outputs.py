@@ -123,3 +123,14 @@ def test_devices_auto_explain_is_refused() -> None:
     rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--auto", "--explain")
     assert rc == 2 and out == "" and err.startswith("spmdkit plan: ProgramError: --explain: applies to the --auto "
                                                     "search of a --mesh")
+
+
+def test_devices_json_with_nothing_to_plan_says_why() -> None:
+    # the text ends with why no configuration could be planned; the JSON had the search alone
+    rc, text, _ = _cli("plan", "--model", "tiny-llama", "--devices", "7")
+    rc_json, out, _ = _cli("plan", "--model", "tiny-llama", "--devices", "7", "--json")
+    got = json.loads(out)
+    assert rc == rc_json == 1 and got["search"]["top"] == [] and "title" not in got
+    assert got["why"] == text.strip().splitlines()[-1]
+    assert got["why"].startswith("no configuration of 7 devices: of the factorisations dp x tp x pp, 1 have a "
+                                 "data-parallel degree that does not divide the batch 4")

@@ -120,7 +120,8 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
     hint = bubble_hint(best.plan, best.estimate) if best is not None and isinstance(best.estimate, PipelineEstimate) \
         else None
     if req.outputs.json:
-        return _write_json(res, best, title, verdict, out, hint)
+        why = why_none(res, n, batch if batch is not None else _batch_of(model)) if best is None else None
+        return _write_json(res, best, title, verdict, out, hint, why)
     out.write("\n".join([f"{what} on {n} devices ({res.device.name})", *notes]) + "\n")
     write_search(res, out)
     if best is None:
@@ -232,10 +233,10 @@ def _check_flags(req: PlanRequest) -> None:
 
 
 def _write_json(res: SearchResult, best: Candidate | None, title: str, verdict: dict[str, Any] | None,
-                out: TextIO, hint: BubbleHint | None = None) -> int:
+                out: TextIO, hint: BubbleHint | None = None, why: str | None = None) -> int:
     extra: dict[str, Any] = {"search": search_json(res)}
-    if best is None:
-        out.write(json.dumps(extra) + "\n")
+    if best is None:  # with why, the line the table's output ends with
+        out.write(json.dumps({**extra, "why": why}) + "\n")
         return 1
     extra["title"] = title
     if verdict is not None:
