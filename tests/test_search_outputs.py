@@ -3,6 +3,7 @@ agrees with the table, and what the search refuses is refused in the flag's term
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import re
@@ -134,3 +135,21 @@ def test_devices_json_with_nothing_to_plan_says_why() -> None:
     assert got["why"] == text.strip().splitlines()[-1]
     assert got["why"].startswith("no configuration of 7 devices: of the factorisations dp x tp x pp, 1 have a "
                                  "data-parallel degree that does not divide the batch 4")
+
+
+def test_devices_pipeline_page_times_the_microbatch_on_the_device(tmp_path: Any) -> None:
+    # a pipeline best's page was given no step estimate: it timed the microbatch on an H100 and said
+    # 'No --device was given' under --device a100-80gb (its error band card the H100 runs')
+    cfg = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "num_hidden_layers": 5, "vocab_size": 32000}  # only pp=2 fits 1.3 GiB (test_hf_pipeline_verify)
+    page = tmp_path / "p.html"
+    rc, out, err = _cli("plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(cfg), "--devices", "2",
+                        "--strategy", "dp", "--recompute", "none", "--seq", "64", "--batch", "4", "--memory", "1.3GiB",
+                        "--device", "a100-80gb", "--html", str(page))
+    assert rc == 0 and "The best: dp=1 tp=1 pp=2" in out, err
+    text = page.read_text()
+    words = html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text)))
+    assert "No --device was given" not in text and "H100" not in text
+    assert "whole program on the stages' sub-mesh: On NVIDIA A100 SXM4 80GB:" in words
+    band = re.search(r"error band: real step (\S+)-(\S+) x predicted", out)
+    assert band is not None and f"error band<b>{band[1]}-{band[2]} x step</b>" in text

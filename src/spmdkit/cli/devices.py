@@ -265,8 +265,8 @@ def _write_files(req: PlanRequest, res: SearchResult, best: Candidate, title: st
     others = [(c.config.label(), c.plan, c.memory) for c in res.fitting[1:]  # planned whole (a folded: a copy's plan)
               if c.plan is not None and c.config.pp == 1 and not c.folded][:MAX_ALTERNATIVES]
     est = best.estimate
-    if isinstance(est, PipelineEstimate):  # a pp configuration
-        write_html(req, best.plan, title, best.memory_detail, None, mesh_text=best.config.mesh_text,
+    if isinstance(est, PipelineEstimate):  # a pp configuration: its one microbatch on the device (as plan --mesh pp)
+        write_html(req, best.plan, title, best.memory_detail, best.micro, mesh_text=best.config.mesh_text,
                    recompute=best.config.recompute, pipeline=est, auto=best.auto, alternatives=others)
     else:
         write_html(req, best.plan, title, best.memory_detail, est, mesh_text=best.config.mesh_text,
