@@ -153,3 +153,26 @@ def test_devices_pipeline_page_times_the_microbatch_on_the_device(tmp_path: Any)
     assert "whole program on the stages' sub-mesh: On NVIDIA A100 SXM4 80GB:" in words
     band = re.search(r"error band: real step (\S+)-(\S+) x predicted", out)
     assert band is not None and f"error band<b>{band[1]}-{band[2]} x step</b>" in text
+
+
+def test_a_flag_every_configuration_refuses_is_one_line() -> None:
+    # every configuration refused for the same flag was a search with nothing to show (exit 1), its
+    # last line blaming the pipeline stages; plan --mesh refuses the flag in one line (exit 2)
+    for extra, message in (
+            (["--annotate", "zzz=[0,-1]"], "--annotate 'zzz': the program has no such tensor"),
+            (["--cp-attention", "ring"], "--cp-attention ring: context parallelism is not asked for"),
+            (["--tp-comm-overlap", "--strategy", "megatron"], "--tp-comm-overlap: overlaps sequence parallelism's")):
+        rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "4", *extra)
+        assert rc == 2 and out == "" and err.strip().splitlines()[-1].startswith(f"spmdkit plan: ProgramError: {message}")
+
+
+def test_a_micro_batch_nothing_divides_is_named_with_the_ones_that_do() -> None:
+    # '--global-batch 12 --micro-batch 5' said '5 have a data-parallel degree that does not divide the batch
+    # 12 ...: give --batch 12' (the batch it had; --batch does not go with --global-batch)
+    rc, out, _ = _cli("plan", "--model", "tiny-llama", "--devices", "4", "--global-batch", "12", "--micro-batch", "5")
+    assert rc == 1 and out.strip().splitlines()[-1] == (
+        "no configuration of 4 devices: of the factorisations dp x tp x pp, 5 whose data-parallel ranks x "
+        "--micro-batch do not divide the global batch 12: give --micro-batch 1 or 2 or 3 or 4; 1 more pipeline "
+        "stages than layers")
+    rc, out, _ = _cli("plan", "--model", "tiny-llama", "--devices", "4", "--global-batch", "3", "--micro-batch", "2")
+    assert rc == 1 and "give --global-batch 4, or --devices 3 (dividing 3)" in out.strip().splitlines()[-1]

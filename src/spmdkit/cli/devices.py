@@ -93,6 +93,9 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
                             progress=bar, runtime=req.links.runtime(), reload=reload,
                             micro_batch=micro if micro is not None else (0 if g is not None else None))
     best = res.best
+    flag = "--global-batch" if g is not None else "--batch"  # (the flag a hint of why_none names)
+    if (flagged := flag_error(res)) is not None:  # every configuration refused the same flag
+        raise ProgramError(flagged)
     verdict = None
     if req.verify and best is not None:
         if m.hf is not None and best.config.strategy == "auto":
@@ -120,12 +123,12 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
     hint = bubble_hint(best.plan, best.estimate) if best is not None and isinstance(best.estimate, PipelineEstimate) \
         else None
     if req.outputs.json:
-        why = why_none(res, n, batch if batch is not None else _batch_of(model)) if best is None else None
+        why = why_none(res, n, batch if batch is not None else _batch_of(model), flag) if best is None else None
         return _write_json(res, best, title, verdict, out, hint, why)
     out.write("\n".join([f"{what} on {n} devices ({res.device.name})", *notes]) + "\n")
     write_search(res, out)
     if best is None:
-        out.write(why_none(res, n, batch if batch is not None else _batch_of(model)) + "\n")
+        out.write(why_none(res, n, batch if batch is not None else _batch_of(model), flag) + "\n")
         return 1
     _write_best(best, out)
     if hint is not None:
@@ -172,21 +175,39 @@ def _batch_of(model: str | Program) -> int | None:
         return None
 
 
-def why_none(res: SearchResult, n: int, batch: int | None) -> str:
+def _refusal_kind(why: str) -> str:
+    """What refused a factorisation: its batch, its --micro-batch, its heads, its layers, or ""
+    (another reason)."""
+    return "micro" if why.startswith("--micro-batch") else "batch" if "divide the batch" in why \
+        or "global batch" in why else "heads" if "heads" in why else "layers" if "stages" in why else ""
+
+
+def flag_error(res: SearchResult) -> str | None:
+    """The one message of a flag (``--annotate``, ``--cp-attention``, ...) that refused every
+    configuration the factorisations left, where nothing was planned: plan --mesh's refusal of
+    the same flag, to be raised as it (exit 2), not a search with nothing to show."""
+    if res.candidates or res.pruned:
+        return None
+    whys = [why for _c, why in res.refused if not _refusal_kind(why)]
+    flags = {why.split(":")[0].split()[0] for why in whys}  # (--tp-comm-overlap's message names each tp)
+    return whys[0] if len(flags) == 1 and whys[0].startswith("--") else None
+
+
+def why_none(res: SearchResult, n: int, batch: int | None, batch_flag: str = "--batch") -> str:
     """Why no configuration of the search fits, in terms the user can act on: what refused the
     factorisations of ``n`` devices (a dp that does not divide the batch, with the batches and
     device counts that would do; a tp the heads refuse; more stages than layers), or every planned
-    one over the memory cap (the least it needs)."""
+    one over the memory cap (the least it needs). ``batch_flag``: the flag that gave the batch
+    (``--global-batch``, where ``--batch`` does not go with it)."""
     over = [c for c in res.candidates if not c.fits]
     if over:
         least = min(over, key=lambda c: c.memory)
         return (f"no configuration fits in {res.memory_cap / 2**30:.1f} GiB per device: the least needs "
                 f"{least.memory / 2**30:.1f} GiB ({least.config.label()}); raise --memory, add devices, or "
                 "shorten the model")
-    kinds = {"batch": 0, "heads": 0, "layers": 0}
+    kinds = {"batch": 0, "micro": 0, "heads": 0, "layers": 0}
     for _c, why in res.refused:
-        k = "batch" if "divide the batch" in why or "global batch" in why else "heads" if "heads" in why \
-            else "layers" if "stages" in why else ""
+        k = _refusal_kind(why)
         if k:
             kinds[k] += 1
     parts = []
@@ -195,8 +216,13 @@ def why_none(res: SearchResult, n: int, batch: int | None) -> str:
         dps = sorted({c.dp * c.ep for c, w in res.refused if "batch" in w})
         sizes = sorted({-(-batch // d) * d for d in dps if d > 1})[:3]
         parts.append(f"{kinds['batch']} have a data-parallel degree that does not divide the batch {batch} (each "
-                     f"rank takes whole sequences): give --batch {' or '.join(map(str, sizes))}"
+                     f"rank takes whole sequences): give {batch_flag} {' or '.join(map(str, sizes))}"
                      + (f", or --devices {' or '.join(map(str, devs))} (dividing {batch})" if devs else ""))
+    if kinds["micro"] and batch is not None:  # (a --batch to give would not help: --micro-batch does not divide)
+        ranks = {c.batch_ranks for c, w in res.refused if _refusal_kind(w) == "micro" and batch % c.batch_ranks == 0}
+        fits = sorted({m for r in ranks for m in range(1, batch // r + 1) if (batch // r) % m == 0})[:4]
+        parts.append(f"{kinds['micro']} whose data-parallel ranks x --micro-batch do not divide the global batch "
+                     f"{batch}" + (f": give --micro-batch {' or '.join(map(str, fits))}" if fits else ""))
     if kinds["heads"]:
         parts.append(f"{kinds['heads']} a tp the attention heads do not divide")
     if kinds["layers"]:
