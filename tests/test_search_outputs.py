@@ -176,3 +176,33 @@ def test_a_micro_batch_nothing_divides_is_named_with_the_ones_that_do() -> None:
         "stages than layers")
     rc, out, _ = _cli("plan", "--model", "tiny-llama", "--devices", "4", "--global-batch", "3", "--micro-batch", "2")
     assert rc == 1 and "give --global-batch 4, or --devices 3 (dividing 3)" in out.strip().splitlines()[-1]
+
+
+def test_devices_refused_export_leaves_no_page(tmp_path: Any) -> None:
+    # the page was written before the export was refused (exit 2 and a page of a plan not exported)
+    page, exp = tmp_path / "p.html", tmp_path / "x.py"
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "4", "--html", str(page), "--export", "torch",
+                        str(exp))
+    assert rc == 2 and "ExportError: --export torch" in err and sorted(tmp_path.iterdir()) == []
+
+
+def test_devices_pipeline_best_exports_its_stages_to_torch(tmp_path: Any) -> None:
+    # a pipeline best was refused ('--export does not apply to one yet (give --mesh without pp)'), where
+    # plan --mesh pp=... --export torch writes the stages; now the split the search priced (3, 2)
+    cfg = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "num_hidden_layers": 5, "vocab_size": 32000}
+    exp = tmp_path / "x.py"
+    argv = ["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(cfg), "--devices", "2", "--strategy", "dp",
+            "--recompute", "none", "--seq", "64", "--batch", "4", "--memory", "1.3GiB"]
+    rc, out, err = _cli(*argv, "--export", "torch", str(exp))
+    assert rc == 0 and "The best: dp=1 tp=1 pp=2 (m=4) dp" in out, err
+    ns: dict[str, Any] = {}
+    text = exp.read_text()
+    exec(compile("\n".join(ln for ln in text.splitlines() if ln.startswith(("MESH_", "PIPELINE ="))), "x", "exec"),
+         ns)
+    assert ns["MESH_DIMS"] == ("pp", "dp", "tp") and ns["MESH_SHAPE"] == (2, 1, 1)
+    assert ns["PIPELINE"]["microbatches"] == 4 and [len([m for m in s if m.startswith("model.layers.")])
+                                                    for s in ns["PIPELINE"]["stages"]] == [3, 2]
+    rc, out, err = _cli(*argv, "--export", "jax", str(tmp_path / "x.json"))
+    assert rc == 2 and "--export jax: the best configuration (dp=1 tp=1 pp=2 (m=4) dp) is a pipeline" in err
+    assert sorted(tmp_path.iterdir()) == [exp]

@@ -8,6 +8,7 @@ library), its table printed and the best configuration's plan reported (text or 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from dataclasses import replace
 from typing import Any, TextIO
@@ -26,6 +27,7 @@ from spmdkit.cli.request import PlanRequest
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.models.source import load
 from spmdkit.models.zoo import model_label, preset
+from spmdkit.outputs.export_torch import export_torch
 from spmdkit.outputs.pipeline import bubble_line, write_pipeline
 from spmdkit.outputs.progress import Progress
 from spmdkit.outputs.recipe import check_recipe_target, recipe, recipe_warning, write_recipe
@@ -282,22 +284,28 @@ MAX_ALTERNATIVES = 5
 
 
 def _write_files(req: PlanRequest, res: SearchResult, best: Candidate, title: str) -> None:
-    """``--html`` (the best configuration's page; the next fitting configurations without a
-    pipeline as the plans to compare) and ``--export`` (the best plan's shardings; a pipeline
-    configuration is refused, as for ``--mesh``)."""
-    if req.outputs.export and best.config.pp > 1:
-        raise ProgramError(f"--export: the best configuration ({best.config.label()}) is a pipeline (pp) plan; "
-                           "--export does not apply to one yet (give --mesh without pp)")
+    """``--export`` (the best plan's shardings; a pipeline configuration's stages too with torch, the
+    other formats refused for one, as for ``--mesh``), then ``--html`` (the best configuration's
+    page; the next fitting configurations without a pipeline as the plans to compare): a refused
+    export leaves no page behind."""
+    est = best.estimate
+    if req.outputs.export and isinstance(est, PipelineEstimate):
+        kind, path = req.outputs.export
+        if kind != "torch":
+            raise ProgramError(f"--export {kind}: the best configuration ({best.config.label()}) is a pipeline (pp) "
+                               "plan, which --export torch writes (its stages), not this format")
+        export_torch(best.plan, path, shlex.join(["spmdkit", *req.argv]) if req.argv else "",
+                     (parse_mesh(best.config.mesh_text), est.spec, est.counts))
+    else:
+        export_plan_file(req, best.plan)
     others = [(c.config.label(), c.plan, c.memory) for c in res.fitting[1:]  # planned whole (a folded: a copy's plan)
               if c.plan is not None and c.config.pp == 1 and not c.folded][:MAX_ALTERNATIVES]
-    est = best.estimate
     if isinstance(est, PipelineEstimate):  # a pp configuration: its one microbatch on the device (as plan --mesh pp)
         write_html(req, best.plan, title, best.memory_detail, best.micro, mesh_text=best.config.mesh_text,
                    recompute=best.config.recompute, pipeline=est, auto=best.auto, alternatives=others)
     else:
         write_html(req, best.plan, title, best.memory_detail, est, mesh_text=best.config.mesh_text,
                    recompute=best.config.recompute, auto=best.auto, alternatives=others)
-    export_plan_file(req, best.plan)
 
 
 def _write_best(best: Candidate, out: TextIO) -> None:
