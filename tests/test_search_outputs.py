@@ -181,7 +181,7 @@ def test_a_micro_batch_nothing_divides_is_named_with_the_ones_that_do() -> None:
 def test_devices_refused_export_leaves_no_page(tmp_path: Any) -> None:
     # the page was written before the export was refused (exit 2 and a page of a plan not exported)
     page, exp = tmp_path / "p.html", tmp_path / "x.py"
-    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "4", "--html", str(page), "--export", "torch",
+    rc, _out, err = _cli("plan", "--model", "tiny-llama", "--devices", "4", "--html", str(page), "--export", "torch",
                         str(exp))
     assert rc == 2 and "ExportError: --export torch" in err and sorted(tmp_path.iterdir()) == []
 
