@@ -137,6 +137,14 @@ def test_rules_lists_modes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "default_data_parallel" in out
 
 
+def test_verify_without_cases_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # --cases 0 or -1 verified nothing, printed a total of 0 cases and exited 0 (every rule 'sound')
+    for n in ("0", "-1"):
+        rc, out, err = run(["verify", "transpose", "--cases", n], capsys)
+        assert rc == 2 and out == "" and err == (f"spmdkit verify: --cases {n}: expected at least 1 generated case "
+                                                 "per rule and mode\n")
+
+
 def test_verify_command(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(["verify", "transpose", "--cases", "6", "--mode", "forward"], capsys)
     assert rc == 0 and "transpose" in out and "total" in out
