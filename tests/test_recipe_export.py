@@ -178,3 +178,22 @@ def test_megatron_arguments_state_the_plans_precision() -> None:
     assert prec == "fp8" and dict(itertools.pairwise(got))["--fp8-format"] == "hybrid" and "--bf16" in got
     prec, got = args("tiny-llama")  # float32
     assert prec == "fp32" and not {"--bf16", "--fp16", "--fp8-format"} & set(got)
+
+
+def test_megatron_arguments_state_an_uneven_split_as_a_layout() -> None:
+    """6 layers on pp=4: Megatron-LM asserts the layers divisible by the pipeline size unless a
+    layout is given (d98e8a64dd megatron/training/arguments.py); the arguments had none, the split
+    the plan priced (1, 1, 3, 1: the first and last stages hold the embedding and the 128k-vocab
+    head) unsaid. The layout: E on the first stage, L on the last, t a layer, | between stages."""
+    c = next(x for x in config_candidates("llama3-8b", Config(1, 1, 4, "dp", microbatches=4),
+                                          overrides={"layers": 6, "batch": 4, "seq": 256})
+             if x.config.recompute == "none")
+    r = recipe(c, "llama3-8b", 4, 256, 6)
+    assert r["layers_per_stage"] == list(c.estimate.counts) == [1, 1, 3, 1]  # type: ignore[union-attr]
+    pairs = dict(itertools.pairwise(megatron_args(r).replace("\\\n", "").split()))
+    assert pairs["--pipeline-model-parallel-layout"] == "'Et|t|t*3|tL'" and pairs["--num-layers"] == "6"
+    even = next(x for x in config_candidates("llama3-8b", Config(2, 1, 2, "dp", microbatches=4),
+                                             overrides={"layers": 4, "batch": 8, "seq": 256})
+                if x.config.recompute == "none")
+    r = recipe(even, "llama3-8b", 8, 256, 4)
+    assert r["layers_per_stage"] == [2, 2] and "--pipeline-model-parallel-layout" not in megatron_args(r)

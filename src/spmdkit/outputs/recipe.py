@@ -41,6 +41,7 @@ from typing import Any
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.memory import recompute_every, recompute_layers
 from spmdkit.io.atomic import output_problem, write_atomic
+from spmdkit.planner.pipeline import PipelineEstimate
 from spmdkit.planner.search_config import Candidate
 from spmdkit.strategies.strategy import zero_stage
 
@@ -75,6 +76,8 @@ def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -
             "grad_accum": cf.grad_accum if cf.pp == 1 else None,
             "schedule": ("Interleaved1F1B" if cf.virtual > 1 else "1F1B") if cf.pp > 1 else None,
             "virtual_stages": cf.virtual if cf.pp > 1 else None,
+            # the split the plan priced, layers per (virtual) stage in Megatron-Core's order (chunk x pp + rank)
+            "layers_per_stage": list(c.estimate.counts) if isinstance(c.estimate, PipelineEstimate) else None,
             "precision": _precision(c),
             **({"float8": f8} if (f8 := _float8(c)) is not None else {}),
             "predicted": {"step_s": c.step_s, "mfu": c.mfu, "memory_per_device": c.memory,
@@ -173,6 +176,22 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _megatron_layout(r: dict[str, Any]) -> str | None:
+    """Megatron-Core's ``--pipeline-model-parallel-layout`` for a split its default would not make
+    (None for an even one): Megatron-LM asserts the layers divisible by the pipeline size unless a
+    layout or first / last stage sizes are given (d98e8a64dd megatron/training/arguments.py,
+    'Number of layers should be divisible by the pipeline-model-parallel size'). Its stages in
+    virtual-stage order (``vpp_rank x pp + pp_rank``, as the planner counts them), ``|`` between
+    them, ``E`` the embedding on the first, ``L`` the loss on the last, ``t`` a layer
+    (megatron/core/transformer/pipeline_parallel_layer_layout.py ``parse_str_to_list``)."""
+    counts = r.get("layers_per_stage")
+    if not counts or len(set(counts)) == 1:
+        return None
+    last = len(counts) - 1
+    return "|".join(("E" if i == 0 else "") + (f"t*{n}" if n > 1 else "t" * n) + ("L" if i == last else "")
+                    for i, n in enumerate(counts))
+
+
 def megatron_args(r: dict[str, Any]) -> str:
     """Megatron-LM's (``pretrain_gpt.py``) parallelism, batch and recomputation arguments."""
     args = [f"--tensor-model-parallel-size {r['tp']}", f"--pipeline-model-parallel-size {r['pp']}",
@@ -186,7 +205,10 @@ def megatron_args(r: dict[str, Any]) -> str:
     args += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp8": ["--bf16", "--fp8-format hybrid"]}.get(prec, [])
     if r["ep"] > 1 and r["expert_tensor_parallel"] == 1 < r["tp"]:  # ETP = 1: each expert whole
         args.append("--expert-tensor-parallel-size 1")
-    if r.get("virtual_stages") and r["virtual_stages"] > 1:
+    layout = _megatron_layout(r)
+    if layout is not None:  # (it sets the virtual stages too: Megatron-LM takes one of the two)
+        args.append(f"--pipeline-model-parallel-layout '{layout}'")
+    elif r.get("virtual_stages") and r["virtual_stages"] > 1:
         args.append(f"--num-virtual-stages-per-pipeline-rank {r['virtual_stages']}")
     if r["sequence_parallel"]:
         args.append("--sequence-parallel")
