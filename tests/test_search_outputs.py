@@ -206,3 +206,18 @@ def test_devices_pipeline_best_exports_its_stages_to_torch(tmp_path: Any) -> Non
     rc, out, err = _cli(*argv, "--export", "jax", str(tmp_path / "x.json"))
     assert rc == 2 and "--export jax: the best configuration (dp=1 tp=1 pp=2 (m=4) dp) is a pipeline" in err
     assert sorted(tmp_path.iterdir()) == [exp]
+
+
+def test_plan_json_says_whether_it_fits_as_the_text_does() -> None:
+    # the text ends 'memory: fits with ... / does not fit by ...'; the JSON had the bytes alone
+    argv = ["plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--device", "h100"]
+    _, text, _ = _cli(*argv)
+    _, out, _ = _cli(*argv, "--json")
+    mem = json.loads(out)["memory"]
+    assert mem["device_memory"] == 80 * 2**30 and mem["fits"] is True and "memory: fits with" in text
+    rc, out, _ = _cli("plan", "--model", "llama3-8b", "--layers", "2", "--seq", "8192", "--batch", "64", "--mesh",
+                      "dp=1,tp=1", "--strategy", "dp", "--device", "h100", "--json")
+    mem = json.loads(out)["memory"]
+    assert rc == 0 and mem["fits"] is False and mem["device_total"] > mem["device_memory"]
+    _, out, _ = _cli("plan", "--model", "tiny-llama", "--mesh", "dp=2", "--strategy", "dp", "--json")
+    assert "fits" not in json.loads(out)["memory"]  # no --device: no verdict (as the text)
