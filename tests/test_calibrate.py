@@ -146,7 +146,7 @@ def test_bad_flag_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 @pytest.mark.parametrize("argv, words", [
     (["--device", "cpu", "--backend", "nccl"], ["--backend nccl", "--device cuda"]),
-    (["--device", "cpu", "--base", "tpu-v5"], ["--device 'tpu-v5'", "no such preset"]),
+    (["--device", "cpu", "--base", "tpu-v5"], ["--base 'tpu-v5'", "no such preset"]),
     (["--device", "cpu", "--model", "no-such-model"], ["no-such-model"]),
     (["--device", "cpu", "--batch", "4"], ["--batch", "--model"]),
     (["--device", "cpu", "--model", "tiny-llama", "--model-config", '{"base": "tiny-llama"}'], ["not both"]),

@@ -52,6 +52,24 @@ def test_infer_error_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
 def test_infer_not_json(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run(["infer", "{not json"], capsys)
     assert rc == 2 and "not valid JSON" in err
+    # --json: one result record, as --batch answers the line (it printed a message on stderr and no JSON)
+    rc, out, err = run(["infer", "--json", "{not json"], capsys)
+    assert rc == 1 and err == "" and json.loads(out) == {
+        "id": None, "error": "CaseFormatError",
+        "message": "line is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"}
+    rc, out, err = run(["infer", "--json", '{"id": NaN, "rule": "relu"}'], capsys)
+    assert rc == 1 and json.loads(out)["message"] == "NaN is not a valid JSON number"  # as --batch reads it
+
+
+def test_infer_batch_takes_no_case_and_input_needs_batch(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # --batch with a case argument read stdin and dropped the case; --input without --batch was ignored
+    rc, out, err = run(["infer", "--batch", json.dumps(CASE)], capsys)
+    assert rc == 2 and out == "" and err == ("spmdkit infer: --batch reads the cases from stdin (or --input FILE), "
+                                             "one a line; give no case argument with it\n")
+    cases = tmp_path / "cases.jsonl"
+    cases.write_text(json.dumps(CASE) + "\n")
+    rc, out, err = run(["infer", "--input", str(cases), json.dumps(CASE)], capsys)
+    assert rc == 2 and out == "" and err.startswith("spmdkit infer: --input: reads a file of cases with --batch only")
 
 
 LINES = [
@@ -117,6 +135,14 @@ def test_rules_lists_modes(capsys: pytest.CaptureFixture[str]) -> None:
     assert rows["transpose_grad"]["modes"] == ["forward"]
     rc, out, _ = run(["rules"], capsys)
     assert "default_data_parallel" in out
+
+
+def test_verify_without_cases_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # --cases 0 or -1 verified nothing, printed a total of 0 cases and exited 0 (every rule 'sound')
+    for n in ("0", "-1"):
+        rc, out, err = run(["verify", "transpose", "--cases", n], capsys)
+        assert rc == 2 and out == "" and err == (f"spmdkit verify: --cases {n}: expected at least 1 generated case "
+                                                 "per rule and mode\n")
 
 
 def test_verify_command(capsys: pytest.CaptureFixture[str]) -> None:

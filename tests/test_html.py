@@ -174,7 +174,7 @@ def test_alternatives_and_auto_section(llama: tuple[Any, Any, Any, Any]) -> None
     _model, plan, est, mem = llama
     _, dp_plan, _ = plan_model("llama-7b", "dp=2,tp=4", "dp", {"layers": 2})
     info = AutoInfo(objective_s=0.01, gap=0.0, solve_s=0.5, status="Optimal", candidates=10, variables=20)
-    text = H.render_html(plan, "t", mem, est, auto=info, alternatives=[("dp only", dp_plan)])
+    text = H.render_html(plan, "t", mem, est, auto=info, alternatives=[("dp only", dp_plan, 3 << 30)])
     p = _parse(text)
     fig = p.figures("alternatives")
     assert len(fig) == 1 and fig[0]["data-rows"] == "2"

@@ -259,8 +259,8 @@ def test_devices_searches_pipelines_of_an_hf_model(hf_and_preset: Any) -> None:
         res = search_meshes(prog, 4, "h100", strategies=["dp"], recompute=["none", "full"], reload=reload)
     pipes = {(c.config.dp, c.config.tp, c.config.pp, c.config.microbatches, c.config.recompute): c
              for c in res.candidates if c.config.pp > 1}
-    assert set(pipes) == {(dp, tp, pp, 4 // dp, r) for dp, tp, pp in ((2, 1, 2), (1, 2, 2), (1, 1, 4))
-                          for r in ("none", "full")}
+    # (dp on dp=1 x tp=2 x pp=2 is not tried: each tp rank would run the same sequences)
+    assert set(pipes) == {(dp, tp, pp, 4 // dp, r) for dp, tp, pp in ((2, 1, 2), (1, 1, 4)) for r in ("none", "full")}
     assert sorted(traced) == [1, 2]  # once per microbatch size
     one = pipes[(1, 1, 4, 4, "none")]
     assert one.estimate.counts == (1, 1, 1, 1) and one.estimate.tokens == 4 * 8

@@ -158,3 +158,42 @@ def test_an_hf_recipe_has_the_models_sequence_and_layers(tmp_path: Path) -> None
     assert tomllib.loads(torchtitan_toml(r))["training"]["seq_len"] == 16
     pairs = dict(itertools.pairwise(megatron_args(r).replace("\\\n", "").split()))
     assert (pairs["--seq-length"], pairs["--num-layers"]) == ("16", "2")
+
+
+def test_megatron_arguments_state_the_plans_precision() -> None:
+    """Megatron-LM trains in fp32 without --bf16 / --fp16 (d98e8a64dd megatron/core/model_parallel_config.py:
+    bf16 = False): the arguments of a bf16 plan had neither, those of an fp8 plan no --fp8-format."""
+    from spmdkit.program.runtime import Runtime
+
+    def args(model: str, runtime: Runtime | None = None) -> tuple[str, list[str]]:
+        c = next(x for x in config_candidates(model, Config(2, 1, 1, "dp"), overrides={"layers": 2, "batch": 4,
+                                                                                         "seq": 64}, runtime=runtime)
+                 if x.config.recompute == "none")
+        r = recipe(c, model, 4, 64, 2)
+        return r["precision"], megatron_args(r).replace("\\\n", "").split()
+
+    prec, got = args("llama3-8b")  # a bfloat16 catalog model
+    assert prec == "bf16" and "--bf16" in got and "--fp16" not in got and "--fp8-format" not in got
+    prec, got = args("llama3-8b", Runtime(precision="fp8"))
+    assert prec == "fp8" and dict(itertools.pairwise(got))["--fp8-format"] == "hybrid" and "--bf16" in got
+    prec, got = args("tiny-llama")  # float32
+    assert prec == "fp32" and not {"--bf16", "--fp16", "--fp8-format"} & set(got)
+
+
+def test_megatron_arguments_state_an_uneven_split_as_a_layout() -> None:
+    """6 layers on pp=4: Megatron-LM asserts the layers divisible by the pipeline size unless a
+    layout is given (d98e8a64dd megatron/training/arguments.py); the arguments had none, the split
+    the plan priced (1, 1, 3, 1: the first and last stages hold the embedding and the 128k-vocab
+    head) unsaid. The layout: E on the first stage, L on the last, t a layer, | between stages."""
+    c = next(x for x in config_candidates("llama3-8b", Config(1, 1, 4, "dp", microbatches=4),
+                                          overrides={"layers": 6, "batch": 4, "seq": 256})
+             if x.config.recompute == "none")
+    r = recipe(c, "llama3-8b", 4, 256, 6)
+    assert r["layers_per_stage"] == list(c.estimate.counts) == [1, 1, 3, 1]  # type: ignore[union-attr]
+    pairs = dict(itertools.pairwise(megatron_args(r).replace("\\\n", "").split()))
+    assert pairs["--pipeline-model-parallel-layout"] == "'Et|t|t*3|tL'" and pairs["--num-layers"] == "6"
+    even = next(x for x in config_candidates("llama3-8b", Config(2, 1, 2, "dp", microbatches=4),
+                                             overrides={"layers": 4, "batch": 8, "seq": 256})
+                if x.config.recompute == "none")
+    r = recipe(even, "llama3-8b", 8, 256, 4)
+    assert r["layers_per_stage"] == [2, 2] and "--pipeline-model-parallel-layout" not in megatron_args(r)

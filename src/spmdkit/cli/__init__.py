@@ -21,7 +21,7 @@ from spmdkit.cli.request import add_plan_arguments, add_run_arguments, plan_requ
 from spmdkit.cli.verify import add_verify_command
 from spmdkit.core.errors import CaseFormatError, SpmdError
 from spmdkit.engine.registry import all_rules, set_cache_enabled
-from spmdkit.io.codec import answer_text, dumps, echo_id, encode_error, encode_result, parse_case
+from spmdkit.io.codec import answer_text, dumps, echo_id, encode_error, parse_case
 from spmdkit.outputs.tables import print_result_table, print_rules_table
 
 #: The longest input line ``infer --batch`` reads (16 MiB); a longer one is answered with a
@@ -49,6 +49,14 @@ def _batch_lines(src: Any) -> Any:
 def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
     if ns.no_cache:
         set_cache_enabled(False)
+    if ns.batch and ns.case is not None:  # (it was ignored: the cases read from stdin)
+        print("spmdkit infer: --batch reads the cases from stdin (or --input FILE), one a line; give no case "
+              "argument with it", file=sys.stderr)
+        return 2
+    if ns.input is not None and not ns.batch:
+        print("spmdkit infer: --input: reads a file of cases with --batch only (give --batch, or the case as an "
+              "argument without --input)", file=sys.stderr)
+        return 2
     if ns.batch:
         too_long = dumps(encode_error(CaseFormatError(f"line is longer than {MAX_LINE_BYTES} bytes")))
         if ns.input:
@@ -72,6 +80,10 @@ def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
     if ns.case is None:
         print("spmdkit infer: give a case as JSON, or --batch to read JSON lines", file=sys.stderr)
         return 2
+    if ns.json:  # one result record, as --batch answers the case's line (one that is not JSON: an error record)
+        text = answer_text(ns.case)
+        out.write(text + "\n")
+        return 1 if "error" in json.loads(text) else 0
     try:
         obj = json.loads(ns.case)
     except ValueError as exc:
@@ -83,14 +95,8 @@ def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
         result = case.run()
     except Exception as exc:  # (a non-SpmdError is reported as an InternalError, no traceback)
         err = encode_error(exc, case_id)
-        if ns.json:
-            out.write(dumps(err) + "\n")
-        else:
-            print(f"error: {err['error']}: {err['message']}", file=sys.stderr)
+        print(f"error: {err['error']}: {err['message']}", file=sys.stderr)
         return 1
-    if ns.json:
-        out.write(dumps(encode_result(result, case_id)) + "\n")
-        return 0
     print_result_table(case, result, out)
     return 0
 

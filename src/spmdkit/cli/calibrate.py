@@ -204,8 +204,12 @@ def check_request(ns: argparse.Namespace) -> Setup:
         groups, p2p, notes = [], False, [f"{nproc} process{'es' if nproc != 1 else ''} on this machine: no collective to "
                              f"measure (a group needs 2 ranks); the file keeps the base's links"]
     base = ns.base
-    if base is not None:  # an unknown name refused, naming --device's presets; an alias as its preset
-        base = next(k for k, d in DEVICES.items() if d == preset_device(base))
+    if base is not None:  # an alias as its preset
+        try:
+            dev = preset_device(base)
+        except ProgramError:  # (preset_device's message names plan's --device and its .json files)
+            raise ProgramError(f"--base {base[:60]!r}: no such preset ({', '.join(DEVICES)})") from None
+        base = next(k for k, d in DEVICES.items() if d == dev)
     elif gpu:
         base = preset_of_gpu(device_name, memory)
         if base is None:

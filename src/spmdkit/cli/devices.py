@@ -8,6 +8,7 @@ library), its table printed and the best configuration's plan reported (text or 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from dataclasses import replace
 from typing import Any, TextIO
@@ -26,6 +27,7 @@ from spmdkit.cli.request import PlanRequest
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.models.source import load
 from spmdkit.models.zoo import model_label, preset
+from spmdkit.outputs.export_torch import export_torch
 from spmdkit.outputs.pipeline import bubble_line, write_pipeline
 from spmdkit.outputs.progress import Progress
 from spmdkit.outputs.recipe import check_recipe_target, recipe, recipe_warning, write_recipe
@@ -93,6 +95,9 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
                             progress=bar, runtime=req.links.runtime(), reload=reload,
                             micro_batch=micro if micro is not None else (0 if g is not None else None))
     best = res.best
+    flag = "--global-batch" if g is not None else "--batch"  # (the flag a hint of why_none names)
+    if (flagged := flag_error(res)) is not None:  # every configuration refused the same flag
+        raise ProgramError(flagged)
     verdict = None
     if req.verify and best is not None:
         if m.hf is not None and best.config.strategy == "auto":
@@ -106,7 +111,8 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
                                        m.fallback or "error")
         else:
             verdict = verify_config(best, str(model), req.links.cost)
-    title = f"{what}; best of {n} devices: {best.title}" if best is not None else what
+    what, *notes = what.split("\n")  # an HF title's warning and note lines stay below its first (as plan's)
+    title = "\n".join([f"{what}; best of {n} devices: {best.title}" if best is not None else what, *notes])
     if best is not None:
         _write_files(req, res, best, title)
         if req.outputs.recipe is not None:
@@ -119,11 +125,12 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
     hint = bubble_hint(best.plan, best.estimate) if best is not None and isinstance(best.estimate, PipelineEstimate) \
         else None
     if req.outputs.json:
-        return _write_json(res, best, title, verdict, out, hint)
-    out.write(f"{what} on {n} devices ({res.device.name})\n")
+        why = why_none(res, n, batch if batch is not None else _batch_of(model), flag) if best is None else None
+        return _write_json(res, best, title, verdict, out, hint, why)
+    out.write("\n".join([f"{what} on {n} devices ({res.device.name})", *notes]) + "\n")
     write_search(res, out)
     if best is None:
-        out.write(why_none(res, n, batch if batch is not None else _batch_of(model)) + "\n")
+        out.write(why_none(res, n, batch if batch is not None else _batch_of(model), flag) + "\n")
         return 1
     _write_best(best, out)
     if hint is not None:
@@ -170,21 +177,39 @@ def _batch_of(model: str | Program) -> int | None:
         return None
 
 
-def why_none(res: SearchResult, n: int, batch: int | None) -> str:
+def _refusal_kind(why: str) -> str:
+    """What refused a factorisation: its batch, its --micro-batch, its heads, its layers, or ""
+    (another reason)."""
+    return "micro" if why.startswith("--micro-batch") else "batch" if "divide the batch" in why \
+        or "global batch" in why else "heads" if "heads" in why else "layers" if "stages" in why else ""
+
+
+def flag_error(res: SearchResult) -> str | None:
+    """The one message of a flag (``--annotate``, ``--cp-attention``, ...) that refused every
+    configuration the factorisations left, where nothing was planned: plan --mesh's refusal of
+    the same flag, to be raised as it (exit 2), not a search with nothing to show."""
+    if res.candidates or res.pruned:
+        return None
+    whys = [why for _c, why in res.refused if not _refusal_kind(why)]
+    flags = {why.split(":")[0].split()[0] for why in whys}  # (--tp-comm-overlap's message names each tp)
+    return whys[0] if len(flags) == 1 and whys[0].startswith("--") else None
+
+
+def why_none(res: SearchResult, n: int, batch: int | None, batch_flag: str = "--batch") -> str:
     """Why no configuration of the search fits, in terms the user can act on: what refused the
     factorisations of ``n`` devices (a dp that does not divide the batch, with the batches and
     device counts that would do; a tp the heads refuse; more stages than layers), or every planned
-    one over the memory cap (the least it needs)."""
+    one over the memory cap (the least it needs). ``batch_flag``: the flag that gave the batch
+    (``--global-batch``, where ``--batch`` does not go with it)."""
     over = [c for c in res.candidates if not c.fits]
     if over:
         least = min(over, key=lambda c: c.memory)
         return (f"no configuration fits in {res.memory_cap / 2**30:.1f} GiB per device: the least needs "
                 f"{least.memory / 2**30:.1f} GiB ({least.config.label()}); raise --memory, add devices, or "
                 "shorten the model")
-    kinds = {"batch": 0, "heads": 0, "layers": 0}
+    kinds = {"batch": 0, "micro": 0, "heads": 0, "layers": 0}
     for _c, why in res.refused:
-        k = "batch" if "divide the batch" in why or "global batch" in why else "heads" if "heads" in why \
-            else "layers" if "stages" in why else ""
+        k = _refusal_kind(why)
         if k:
             kinds[k] += 1
     parts = []
@@ -193,8 +218,13 @@ def why_none(res: SearchResult, n: int, batch: int | None) -> str:
         dps = sorted({c.dp * c.ep for c, w in res.refused if "batch" in w})
         sizes = sorted({-(-batch // d) * d for d in dps if d > 1})[:3]
         parts.append(f"{kinds['batch']} have a data-parallel degree that does not divide the batch {batch} (each "
-                     f"rank takes whole sequences): give --batch {' or '.join(map(str, sizes))}"
+                     f"rank takes whole sequences): give {batch_flag} {' or '.join(map(str, sizes))}"
                      + (f", or --devices {' or '.join(map(str, devs))} (dividing {batch})" if devs else ""))
+    if kinds["micro"] and batch is not None:  # (a --batch to give would not help: --micro-batch does not divide)
+        ranks = {c.batch_ranks for c, w in res.refused if _refusal_kind(w) == "micro" and batch % c.batch_ranks == 0}
+        fits = sorted({m for r in ranks for m in range(1, batch // r + 1) if (batch // r) % m == 0})[:4]
+        parts.append(f"{kinds['micro']} whose data-parallel ranks x --micro-batch do not divide the global batch "
+                     f"{batch}" + (f": give --micro-batch {' or '.join(map(str, fits))}" if fits else ""))
     if kinds["heads"]:
         parts.append(f"{kinds['heads']} a tp the attention heads do not divide")
     if kinds["layers"]:
@@ -216,6 +246,10 @@ def _check_flags(req: PlanRequest) -> None:
         raise ProgramError(f"{flag}: does not apply with --devices (the search chooses the pipeline: 1F1B, "
                            "one sequence per dp rank per microbatch; give --global-batch and --micro-batch for "
                            "gradient accumulation)")
+    if req.search.explain:  # (it was accepted with --auto and explained nothing)
+        raise ProgramError("--explain: applies to the --auto search of a --mesh (its layers' choices and runner-ups); "
+                           "the --devices search does not explain its meshes' solves: plan the best mesh with --mesh "
+                           "... --auto --explain")
     check_one_model(req.model)
     if req.verify and req.model.program:
         raise ProgramError("--verify: simulates a preset, catalog or --hf model's strategy; it does not apply to "
@@ -227,10 +261,10 @@ def _check_flags(req: PlanRequest) -> None:
 
 
 def _write_json(res: SearchResult, best: Candidate | None, title: str, verdict: dict[str, Any] | None,
-                out: TextIO, hint: BubbleHint | None = None) -> int:
+                out: TextIO, hint: BubbleHint | None = None, why: str | None = None) -> int:
     extra: dict[str, Any] = {"search": search_json(res)}
-    if best is None:
-        out.write(json.dumps(extra) + "\n")
+    if best is None:  # with why, the line the table's output ends with
+        out.write(json.dumps({**extra, "why": why}) + "\n")
         return 1
     extra["title"] = title
     if verdict is not None:
@@ -250,22 +284,28 @@ MAX_ALTERNATIVES = 5
 
 
 def _write_files(req: PlanRequest, res: SearchResult, best: Candidate, title: str) -> None:
-    """``--html`` (the best configuration's page; the next fitting configurations without a
-    pipeline as the plans to compare) and ``--export`` (the best plan's shardings; a pipeline
-    configuration is refused, as for ``--mesh``)."""
-    if req.outputs.export and best.config.pp > 1:
-        raise ProgramError(f"--export: the best configuration ({best.config.label()}) is a pipeline (pp) plan; "
-                           "--export does not apply to one yet (give --mesh without pp)")
-    others = [(c.config.label(), c.plan) for c in res.fitting[1:]  # planned whole (a folded one holds a copy's plan)
-              if c.plan is not None and c.config.pp == 1 and not c.folded][:MAX_ALTERNATIVES]
+    """``--export`` (the best plan's shardings; a pipeline configuration's stages too with torch, the
+    other formats refused for one, as for ``--mesh``), then ``--html`` (the best configuration's
+    page; the next fitting configurations without a pipeline as the plans to compare): a refused
+    export leaves no page behind."""
     est = best.estimate
-    if isinstance(est, PipelineEstimate):  # a pp configuration
-        write_html(req, best.plan, title, best.memory_detail, None, mesh_text=best.config.mesh_text,
+    if req.outputs.export and isinstance(est, PipelineEstimate):
+        kind, path = req.outputs.export
+        if kind != "torch":
+            raise ProgramError(f"--export {kind}: the best configuration ({best.config.label()}) is a pipeline (pp) "
+                               "plan, which --export torch writes (its stages), not this format")
+        export_torch(best.plan, path, shlex.join(["spmdkit", *req.argv]) if req.argv else "",
+                     (parse_mesh(best.config.mesh_text), est.spec, est.counts))
+    else:
+        export_plan_file(req, best.plan)
+    others = [(c.config.label(), c.plan, c.memory) for c in res.fitting[1:]  # planned whole (a folded: a copy's plan)
+              if c.plan is not None and c.config.pp == 1 and not c.folded][:MAX_ALTERNATIVES]
+    if isinstance(est, PipelineEstimate):  # a pp configuration: its one microbatch on the device (as plan --mesh pp)
+        write_html(req, best.plan, title, best.memory_detail, best.micro, mesh_text=best.config.mesh_text,
                    recompute=best.config.recompute, pipeline=est, auto=best.auto, alternatives=others)
     else:
         write_html(req, best.plan, title, best.memory_detail, est, mesh_text=best.config.mesh_text,
                    recompute=best.config.recompute, auto=best.auto, alternatives=others)
-    export_plan_file(req, best.plan)
 
 
 def _write_best(best: Candidate, out: TextIO) -> None:

@@ -142,7 +142,7 @@ def _stage_search(req: PlanRequest, device: Device | None) -> StageSearch | None
         raise ProgramError("--verify: checks a flat --auto plan (its tiny model simulated); the stages of a pipeline "
                            "(--mesh with pp) planned by --auto are not simulated (give --strategy, or plan without pp)")
     nodes = parse_size("--nodes-of", req.links.nodes_of, 1 << 20)
-    return StageSearch(device, nodes, auto_time_limit(req.search.time_limit), req.search.explain)
+    return StageSearch(device, nodes, auto_time_limit(req.search.time_limit or "60"), req.search.explain)
 
 
 def _source(req: PlanRequest, microbatches: int) -> ModelSource:

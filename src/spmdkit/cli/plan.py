@@ -64,9 +64,12 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
             if req.links.device:  # and fp8 on a GPU without fp8 tensor cores
                 load_device(str(req.links.device)).check_precision(runtime.precision)
             devices = req.devices is not None
-            for flag, given in (("--memory", req.search.memory is not None), ("--explain", req.search.explain)):
+            for flag, given in (("--memory", req.search.memory is not None), ("--explain", req.search.explain),
+                                ("--auto-time-limit", req.search.time_limit is not None)):
                 if given and not req.search.auto and not (flag == "--memory" and devices):
-                    raise ProgramError(f"{flag}: applies to the --auto search and --devices; give --auto too")
+                    where = {"--memory": " and --devices", "--explain": " of a --mesh"}.get(
+                        flag, " (with or without --devices)")
+                    raise ProgramError(f"{flag}: applies to the --auto search{where}; give --auto too")
             if req.outputs.html:
                 check_html_path(req.outputs.html)  # before planning
             if req.outputs.export:  # a bad format or folder refused before planning
@@ -256,7 +259,7 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
     check_one_model(m)
     if req.verify and (m.hf is not None or m.program):
         raise ProgramError(f"--verify: simulates a preset model; it does not apply to {'--hf' if m.hf else '--program'}")
-    limit = auto_time_limit(req.search.time_limit)
+    limit = auto_time_limit(req.search.time_limit or "60")
     mesh = parse_mesh(req.mesh_text)
     t0 = time.perf_counter()
     source = _auto_source(req, sizes)

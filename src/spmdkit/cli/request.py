@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, fields
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.devices import DEVICES
 from spmdkit.models.zoo import PRESETS, is_config_text
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE
 from spmdkit.program.runtime import CE_KERNELS, Runtime, parse_moe_histogram, parse_moe_skew, parse_precision
@@ -136,7 +137,7 @@ class SearchArgs:
     (the cap) and ``--explain``."""
 
     auto: bool = False
-    time_limit: str = "60"
+    time_limit: str | None = None  # (None: not given; the search's 60 s)
     memory: str | None = None
     explain: bool = False
 
@@ -371,7 +372,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--annotate", action="append", default=[], metavar="TENSOR=DIMS_MAPPING",
                    help='pin a tensor, e.g. --annotate "tokens=[0,-1]" (repeatable)')
     p.add_argument("--cost", help='link costs per mesh dim, e.g. "tp=5us/150GB,dp=20us/25GB"')
-    p.add_argument("--device", help="predict the step on this GPU: a preset (a100-40gb, a100-80gb, h100, h200) "
+    p.add_argument("--device", help=f"predict the step on this GPU: a preset ({', '.join(DEVICES)}) "
                                     "or a JSON file (docs/devices.md); also sets the links of --cost")
     p.add_argument("--nodes-of", dest="nodes_of", metavar="N",
                    help="ranks per node (the device's, 8, by default): inner mesh dims within N ranks use NVLink")
@@ -462,7 +463,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="search the shardings (an ILP over the rules' candidates, solved by HiGHS; needs highspy) "
                         "instead of a --strategy; --annotate pins are kept; minimises communication time, plus compute "
                         "time with --device")
-    p.add_argument("--auto-time-limit", dest="auto_time_limit", default="60", metavar="SECONDS",
+    p.add_argument("--auto-time-limit", dest="auto_time_limit", metavar="SECONDS",
                    help="the --auto solver's time limit (default 60)")
     p.add_argument("--memory", metavar="SIZE",
                    help="memory per device the plan must fit in, e.g. 80GiB, 80GB (10^9 bytes), 512MiB or a byte "

@@ -42,6 +42,10 @@ def run_verify(ns: argparse.Namespace, out: TextIO | None = None) -> int:
     except ImportError as exc:  # numpy missing
         print(f"spmdkit verify needs numpy (pip install spmdkit[sim]): {exc}", file=sys.stderr)
         return 2
+    if ns.cases < 1:  # (0 or fewer verified nothing and reported every rule sound, exit 0)
+        print(f"spmdkit verify: --cases {ns.cases}: expected at least 1 generated case per rule and mode",
+              file=sys.stderr)
+        return 2
     names = list(ns.rules) or verifiable_rules()
     modes = ("forward", "backward") if ns.mode == "both" else (ns.mode,)
     t0 = time.perf_counter()

@@ -93,7 +93,10 @@ def _reshard_section(plan: Plan) -> str:
 # -- --auto -----------------------------------------------------------------------------------------
 
 
-def _auto_section(auto: Any, alternatives: Sequence[tuple[str, Plan]], plan: Plan) -> str:
+def _auto_section(auto: Any, alternatives: Sequence[tuple[str, Plan, int]], plan: Plan, memory: int) -> str:
+    """--auto's solve and --explain's runner-ups; ``alternatives``: (label, plan, memory per device as
+    the search priced it: its recomputation, framework and overheads), beside this plan's ``memory``
+    (the page's card)."""
     if auto is None and not alternatives:
         return ""
     out = '<section id="auto"><h2>Search</h2>'
@@ -116,13 +119,12 @@ def _auto_section(auto: Any, alternatives: Sequence[tuple[str, Plan]], plan: Pla
                     '<th>objective</th><th>runner-up</th><th>costs more by</th><th>runner-up layouts</th></tr>'
                     f'{lines}</table>')
     if alternatives:
-        rows = [("this plan", plan), *list(alternatives)]
-        mems = [memory_per_device(p) for _, p in rows]
+        rows = [("this plan", plan, memory), *list(alternatives)]
         data = [(name, [p.time_s], f"{name}: communication {fmt_time(p.time_s)}, {fmt_bytes(p.bytes_per_rank)} per "
-                                   f"rank, memory {fmt_bytes(m.total)}") for (name, p), m in zip(rows, mems)]
+                                   f"rank, memory {fmt_bytes(m)}") for name, p, m in rows]
         table = "".join(f"<tr><td>{esc(name)}</td><td>{fmt_time(p.time_s)}</td><td>{fmt_bytes(p.bytes_per_rank)}</td>"
-                        f"<td>{len([r for r in p.reshards if not r.shared])}</td><td>{fmt_bytes(m.total)}</td></tr>"
-                        for (name, p), m in zip(rows, mems))
+                        f"<td>{len([r for r in p.reshards if not r.shared])}</td><td>{fmt_bytes(m)}</td></tr>"
+                        for name, p, m in rows)
         out += ('<p>Other plans of the same program, to compare (reshard communication per step, memory per '
                 'device):</p><div class="row">'
                 + bars_svg("alternatives", "reshard communication per step", data, [("communication", COMM_COLOUR)],
@@ -212,14 +214,14 @@ _HATCH = ('<svg width="0" height="0" style="position:absolute" aria-hidden="true
 
 def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estimate: Any = None, *,
                 config: Any = None, recompute: str = "none", mesh: Any = None, ranks_per_node: int | None = None,
-                pipeline: Any = None, auto: Any = None, alternatives: Sequence[tuple[str, Plan]] = (),
+                pipeline: Any = None, auto: Any = None, alternatives: Sequence[tuple[str, Plan, int]] = (),
                 command: str = "") -> str:
     """The page (a str) for ``plan``. ``estimate``: its :class:`spmdkit.cost.step.StepEstimate`
     (without one the step is predicted on an H100, and the page says so); ``mesh``: the mesh to
     draw (the full one of a pipeline; default the plan's); ``pipeline``: a
     :class:`spmdkit.planner.pipeline.PipelineEstimate`; ``auto``: the search's
-    :class:`spmdkit.planner.auto.AutoInfo`; ``alternatives``: (label, plan) of other plans of the same
-    program, compared in the search section; ``command``: the command line that made the page
+    :class:`spmdkit.planner.auto.AutoInfo`; ``alternatives``: (label, plan, memory per device) of other
+    plans of the same program, compared in the search section; ``command``: the command line that made the page
     (shown with spmdkit's version at its foot)."""
     prog = plan.program
     given = recompute  # a pipeline's memory curve: the layers full:K / every:N recompute on each stage
@@ -264,7 +266,7 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
             mesh_section(mesh, per_node), step_section(plan, est, assumed, pipeline),
             memory_section(plan, mem, given if pipeline is not None else recompute, cap, pipeline),
             layers_section(plan, mem),
-            _auto_section(auto, alternatives, plan), _reshard_section(plan), sharding_section(plan)]
+            _auto_section(auto, alternatives, plan, mem.device_total), _reshard_section(plan), sharding_section(plan)]
     meta = json.dumps({"program": prog.name, "mesh": list(mesh.shape), "dim_names": list(mesh.dim_names)})
     return ('<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
             '<meta name="viewport" content="width=device-width, initial-scale=1">'

@@ -41,6 +41,7 @@ from typing import Any
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.memory import recompute_every, recompute_layers
 from spmdkit.io.atomic import output_problem, write_atomic
+from spmdkit.planner.pipeline import PipelineEstimate
 from spmdkit.planner.search_config import Candidate
 from spmdkit.strategies.strategy import zero_stage
 
@@ -75,9 +76,26 @@ def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -
             "grad_accum": cf.grad_accum if cf.pp == 1 else None,
             "schedule": ("Interleaved1F1B" if cf.virtual > 1 else "1F1B") if cf.pp > 1 else None,
             "virtual_stages": cf.virtual if cf.pp > 1 else None,
+            # the split the plan priced, layers per (virtual) stage in Megatron-Core's order (chunk x pp + rank)
+            "layers_per_stage": list(c.estimate.counts) if isinstance(c.estimate, PipelineEstimate) else None,
+            "precision": _precision(c),
             **({"float8": f8} if (f8 := _float8(c)) is not None else {}),
             "predicted": {"step_s": c.step_s, "mfu": c.mfu, "memory_per_device": c.memory,
                           "tokens_per_s": global_batch * seq / c.step_s if c.step_s > 0 else None}}
+
+
+#: a parameter dtype -> the precision the plan trains in (its --precision where given)
+_PRECISIONS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _precision(c: Candidate) -> str:
+    """What the plan's linear layers compute in: ``--precision`` where given, else the dtype most of
+    the program's parameters have (as the step's peak rate takes it)."""
+    rt = c.plan.runtime
+    if rt.precision is not None:
+        return rt.precision
+    dtypes = [t.dtype for t in c.plan.program.tensors.values() if t.kind == "parameter"]
+    return _PRECISIONS.get(max(set(dtypes), key=dtypes.count), "fp32") if dtypes else "fp32"
 
 
 def _float8(c: Candidate) -> dict[str, Any] | None:
@@ -158,15 +176,39 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _megatron_layout(r: dict[str, Any]) -> str | None:
+    """Megatron-Core's ``--pipeline-model-parallel-layout`` for a split its default would not make
+    (None for an even one): Megatron-LM asserts the layers divisible by the pipeline size unless a
+    layout or first / last stage sizes are given (d98e8a64dd megatron/training/arguments.py,
+    'Number of layers should be divisible by the pipeline-model-parallel size'). Its stages in
+    virtual-stage order (``vpp_rank x pp + pp_rank``, as the planner counts them), ``|`` between
+    them, ``E`` the embedding on the first, ``L`` the loss on the last, ``t`` a layer
+    (megatron/core/transformer/pipeline_parallel_layer_layout.py ``parse_str_to_list``)."""
+    counts = r.get("layers_per_stage")
+    if not counts or len(set(counts)) == 1:
+        return None
+    last = len(counts) - 1
+    return "|".join(("E" if i == 0 else "") + (f"t*{n}" if n > 1 else "t" * n) + ("L" if i == last else "")
+                    for i, n in enumerate(counts))
+
+
 def megatron_args(r: dict[str, Any]) -> str:
     """Megatron-LM's (``pretrain_gpt.py``) parallelism, batch and recomputation arguments."""
     args = [f"--tensor-model-parallel-size {r['tp']}", f"--pipeline-model-parallel-size {r['pp']}",
             f"--context-parallel-size {r['context_parallel']}", f"--expert-model-parallel-size {r['expert_parallel']}",
             f"--micro-batch-size {r['micro_batch']}", f"--global-batch-size {r['global_batch']}",
             f"--seq-length {r['seq']}", f"--num-layers {r['layers']}"]
+    # the precision the plan was priced in: Megatron-LM trains in fp32 without --bf16 / --fp16
+    # (d98e8a64dd megatron/core/model_parallel_config.py: bf16 = False); fp8 as its Llama 3 example runs it
+    # (examples/llama/train_llama3_8b_h100_fp8.sh: --bf16 with --fp8-format hybrid)
+    prec = r.get("precision", "fp32")
+    args += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp8": ["--bf16", "--fp8-format hybrid"]}.get(prec, [])
     if r["ep"] > 1 and r["expert_tensor_parallel"] == 1 < r["tp"]:  # ETP = 1: each expert whole
         args.append("--expert-tensor-parallel-size 1")
-    if r.get("virtual_stages") and r["virtual_stages"] > 1:
+    layout = _megatron_layout(r)
+    if layout is not None:  # (it sets the virtual stages too: Megatron-LM takes one of the two)
+        args.append(f"--pipeline-model-parallel-layout '{layout}'")
+    elif r.get("virtual_stages") and r["virtual_stages"] > 1:
         args.append(f"--num-virtual-stages-per-pipeline-rank {r['virtual_stages']}")
     if r["sequence_parallel"]:
         args.append("--sequence-parallel")

@@ -334,13 +334,17 @@ def plan_json(plan: Plan, memory: Memory | None = None, extra: dict[str, Any] | 
     for ph in ("forward", "backward", "optimizer", None):
         b, t = _phase_comm(plan, kernel, ph)
         totals[ph or "step"] = {"collectives": dict(step_kinds(plan, ph, kernel)), "bytes_per_rank": b, "time_s": t}
+    memory_json = mem.to_json()
     if estimate is not None:
         extra = {**(extra or {}), "step": estimate.to_json()}
+        if estimate.device.memory_bytes:  # the text's 'memory: fits with ...' verdict, on the device's memory
+            memory_json.update(device_memory=estimate.device.memory_bytes,
+                               fits=fit_verdict(mem.device_total, estimate.device.memory_bytes)[0])
     return {"program": prog.name, "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names)},
             "rounds": plan.rounds, "ops": len(prog.ops), "grad_accum": plan.grad_accum,
             "runtime": plan.runtime.to_json(), "stored_sharded": sorted(plan.storage), **(extra or {}), "tensors": tensors, "reshards": reshards,
             "totals": totals,
-            "kernel_collectives": [k.to_json() for k in kernel], "memory": mem.to_json(), "uneven_shards": [u.to_json() for u in uneven_shards(plan)]}
+            "kernel_collectives": [k.to_json() for k in kernel], "memory": memory_json, "uneven_shards": [u.to_json() for u in uneven_shards(plan)]}
 
 
 def fmt_flops(f: float) -> str:

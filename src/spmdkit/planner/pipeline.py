@@ -359,7 +359,7 @@ def stages_auto(plan: Plan, spec: PipelineSpec, device: Device | None, pp_link: 
     oc = op_communication(plan, device) if device is not None else None
     uc = plan_unit_costs(plan, spec.pp, device, recompute, pp_link, oc)
     cap = (device.memory_bytes - with_overheads(0, 0, 0, 0, 0, plan, spec.pp).runtime_overhead
-           if device is not None else None)
+           if device is not None and device.memory_bytes else None)  # (a device file may state no memory)
     part = partition(uc, spec.pp, spec.virtual, spec.microbatches, spec.schedule, cap, group=spec.group)
     args = (device, pp_link, tokens, ranks, recompute_forward, recompute)
     got: dict[str, PipelineEstimate] = {"partition": estimate_pipeline(plan, base, part.counts, *args, oc=oc)}
@@ -374,7 +374,7 @@ def stages_auto(plan: Plan, spec: PipelineSpec, device: Device | None, pp_link: 
         need = max(mm.device_total for mm in e.memory)
         pace = e.step_overlap_s if e.run is not None else simulate_split(uc, e.counts, spec.pp, spec.virtual,
                                                                           spec.microbatches, spec.schedule, spec.group)
-        return (device is not None and need > device.memory_bytes, pace)
+        return (device is not None and 0 < device.memory_bytes < need, pace)
 
     def slowest(e: PipelineEstimate) -> float:
         if device is not None:

@@ -175,6 +175,10 @@ def _search_args(devices: int, device: Device | str, memory_cap: int | str | Non
     if nodes_of:
         dev = replace(dev, ranks_per_node=nodes_of)
     dev = dev.lockstep(devices)  # every configuration steps all of them: the slowest sets the pace
+    if memory_cap is None and not dev.memory_bytes:  # (a device file without memory_gb nor base)
+        raise ProgramError(f"--devices: the device {dev.name[:60]!r} states no memory (its file has no memory_gb "
+                           "and no base), so the search has nothing to fit the plans in: give --memory SIZE, or "
+                           "memory_gb in the device file")
     cap = dev.memory_bytes if memory_cap is None else parse_memory(memory_cap)
     modes = list(dict.fromkeys(recompute or RECOMPUTE_MODES))
     for rc in modes:

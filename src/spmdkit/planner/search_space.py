@@ -23,7 +23,13 @@ from spmdkit.program.ir import Program
 from spmdkit.strategies.context import hf_cp
 from spmdkit.strategies.experts import tp_chunks
 from spmdkit.strategies.hf_program import data_inputs
-from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_comm_overlap_problem, tp_problem
+from spmdkit.strategies.strategy import (
+    canonical_items,
+    parse_mesh,
+    parse_strategy,
+    tp_comm_overlap_problem,
+    tp_problem,
+)
 
 #: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
 #: (context parallelism: Llama 3 trained from 8k with cp from 16k up; torchtitan and NeMo from 16k-32k)
@@ -340,12 +346,12 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
             for s, (m, accum) in ((s, st) for st in steps for s in names):
                 cfg = Config(dp, tp, pp, s, "none", m, ep, cp, accum)
                 if s != "auto":
-                    parts = s.split(",")
-                    if (tp == 1 and "megatron" in parts) or ((ep > 1) != ("ep" in parts)) \
-                            or (ep > 1 and tp > 1 and "megatron" not in parts) or ((cp > 1) != ("cp" in parts)) \
-                            or from_cp != ("ep-from=cp" in parts):
-                        continue  # megatron over tp=1 is dp; ep over ep=1 is dp; an idle ep or tp dim repeats work;
-                        # the strategies go to the meshes of their own cp (and their own ep-from)
+                    parts = canonical_items(s)  # (--strategy tp is megatron)
+                    if ((tp > 1) != ("megatron" in parts)) or ((ep > 1) != ("ep" in parts)) \
+                            or ((cp > 1) != ("cp" in parts)) or from_cp != ("ep-from=cp" in parts):
+                        continue  # megatron over tp=1 is dp; ep over ep=1 is dp; an idle ep or tp dim repeats work
+                        # (each tp rank the same sequences); the strategies go to the meshes of their own cp (and
+                        # their own ep-from)
                     try:
                         parse_strategy(s, _sub_mesh(cfg))
                     except ProgramError as exc:

@@ -133,6 +133,12 @@ def strategy_items(text: str | Iterable[str] | None) -> list[str]:
             if s.strip()]
 
 
+def canonical_items(text: str | Iterable[str] | None) -> list[str]:
+    """:func:`strategy_items` with the aliases by their names (``tp`` megatron, ``ddp`` dp, ``zero``
+    zero2, ``fsdp`` zero3)."""
+    return [_ALIASES.get(s, s) for s in strategy_items(text)]
+
+
 def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, ...]:
     items = strategy_items(text)
     out: list[str] = []
