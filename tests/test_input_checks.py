@@ -290,6 +290,25 @@ def test_null_q_lora_rank_and_the_sliding_window_pattern_build_their_models() ->
     assert gemma.config.layer_types == ["sliding_attention", "full_attention"] * 2
 
 
+def test_another_models_config_and_an_auto_class_are_refused_naming_the_class(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Mixtral's config.json given to --hf LlamaForCausalLM planned a dense Llama (its expert keys
+    one 'ignored' warning); an auto class was 'transformers has no model class'."""
+    mixtral = str(Path(__file__).parent / "data" / "hf" / "mixtral-8x7b.json")
+    one_line(capsys, ["plan", "--hf", "LlamaForCausalLM", "--hf-config", mixtral, "--mesh", "dp=2", "--strategy", "dp"],
+             "--hf-config: model_type 'mixtral' is not LlamaForCausalLM's (LlamaConfig: 'llama'); the config is another "
+             "model's, whose keys LlamaConfig would drop (the config's architectures: MixtralForCausalLM)")
+    one_line(capsys, ["run", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps({**LLAMA, "model_type": "mistral"}),
+                      "--mesh", "dp=2", "--strategy", "dp"], "model_type 'mistral' is not LlamaForCausalLM's")
+    one_line(capsys, ["plan", "--hf", "AutoModelForCausalLM", "--hf-config", json.dumps({**LLAMA, "model_type": "qwen2"}),
+                      "--mesh", "dp=2", "--strategy", "dp"],
+             "hf: AutoModelForCausalLM is one of transformers' auto classes, which pick a model class by the config's "
+             "model_type; give the model class itself (model_type 'qwen2': Qwen2ForCausalLM)")
+    rc = main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps({**LLAMA, "model_type": "llama"}),
+               "--mesh", "dp=2", "--strategy", "dp", "--json"])
+    assert rc == 0, capsys.readouterr().err[-1000:]
+
+
 def test_unknown_key_is_a_warning_line_and_the_model_plans(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = {**LLAMA, "my_custom_flag": 1}
     rc = main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(cfg), "--mesh", "dp=2", "--strategy", "dp",

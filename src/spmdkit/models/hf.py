@@ -112,9 +112,19 @@ def model_class(class_name: str, config: Any) -> tuple[Any, Any]:
     tf = _transformers()
     cls = getattr(tf, class_name, None)
     cfg_cls = getattr(cls, "config_class", None)
+    if isinstance(cls, type) and getattr(cls, "_model_mapping", None) is not None:
+        raise ProgramError(f"hf: {class_name} is one of transformers' auto classes, which pick a model class by the "
+                           f"config's model_type; give the model class itself"
+                           f"{_own_class(cls, load_config(config))}")
     if cls is None or cfg_cls is None or not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
         raise ProgramError(f"hf: transformers has no model class {class_name!r}")
     cfg = load_config(config)
+    given = cfg.get("model_type")
+    own = getattr(cfg_cls, "model_type", "")
+    if isinstance(given, str) and own and given != own:  # another model's config: its keys would be dropped
+        raise ProgramError(f"--hf-config: model_type {given[:40]!r} is not {class_name}'s ({cfg_cls.__name__}: "
+                           f"{own!r}); the config is another model's, whose keys {cfg_cls.__name__} would drop"
+                           f"{_own_class(None, cfg)}")
     cfg.pop("architectures", None)
     check_hf_config(cfg_cls, cfg, cls)  # one line naming the key for a bad config (models/hf_checks.py)
     try:
@@ -122,6 +132,19 @@ def model_class(class_name: str, config: Any) -> tuple[Any, Any]:
     except (TypeError, ValueError) as exc:
         raise ProgramError(f"hf: {cfg_cls.__name__} rejects the config: {exc}") from None
     return cls, conf
+
+
+def _own_class(auto: Any, cfg: Mapping[str, Any]) -> str:
+    """A hint naming the model class ``cfg`` is for: its ``architectures``, else the class the auto
+    class ``auto`` maps its model_type to; empty where neither says."""
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs):
+        return f" (the config's architectures: {', '.join(a[:60] for a in archs[:4])})"
+    try:
+        conf_cls = _transformers().CONFIG_MAPPING[cfg["model_type"]]
+        return f" (model_type {cfg['model_type']!r}: {auto._model_mapping[conf_cls].__name__})"
+    except Exception:  # no model_type, one transformers lacks, or no such head for it
+        return ""
 
 
 @contextlib.contextmanager
