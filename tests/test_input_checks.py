@@ -142,6 +142,12 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     # Gemma 2 (an explicit head_dim: hidden need not divide by the heads, but it must be a size)
     ("gemma2", {"head_dim": -16}, "head_dim is -16"),
     ("gemma2", {"num_key_value_heads": 3}, "not divisible by num_key_value_heads 3"),
+    # a rotary scaling transformers lacks: its config only logs it ('the model does not import:
+    # KeyError: 'bogus'' before); a nested (per layer type) one too
+    ("llama", {"rope_scaling": {"type": "bogus", "factor": 2.0}},
+     "rope_scaling's rope_type 'bogus' is not one transformers has (default, dynamic, linear, llama3, longrope, "
+     "proportional, yarn)"),
+    ("gemma2", {"rope_parameters": {"rope_type": "ntk", "factor": 2.0}}, "rope_parameters's rope_type 'ntk'"),
 ]
 
 

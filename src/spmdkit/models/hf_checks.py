@@ -324,10 +324,33 @@ def check_hf_config(cfg_cls: type, cfg: Mapping[str, Any], model_cls: type | Non
     _check_uses(s, cfg, values)
     _check_mtp(s, cfg)
     try:
-        cfg_cls(**cfg)
+        conf = cfg_cls(**cfg)
     except Exception as exc:  # transformers' and huggingface_hub's own checks, whatever their class
         msg = " ".join(str(exc).split())[:300]
         raise ProgramError(f"--hf-config: {s.name} rejects the config: {type(exc).__name__}: {msg}") from None
+    _check_rope(s, cfg, conf)
+
+
+def _check_rope(s: _Schema, cfg: Mapping[str, Any], conf: Any) -> None:
+    """The rotary scaling's type is one transformers has (``ROPE_INIT_FUNCTIONS``): its config
+    validation only logs an unknown one, and the model then fails in its rotary embedding
+    (``KeyError: 'bogus'``)."""
+    try:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    except ImportError:
+        return
+    params = getattr(conf, "rope_parameters", None)
+    if not isinstance(params, Mapping):
+        return
+    per_layer = params.values() if "rope_type" not in params and all(
+        isinstance(v, Mapping) or v is None for v in params.values()) else [params]
+    known = {"default", str(getattr(conf, "default_rope_type", "default")), *ROPE_INIT_FUNCTIONS}
+    key = next((k for k in ("rope_scaling", "rope_parameters") if k in cfg), "rope_parameters")
+    for p in per_layer:
+        kind = p.get("rope_type", p.get("type", "default")) if isinstance(p, Mapping) else "default"
+        if kind not in known:
+            raise ProgramError(f"--hf-config: {key}'s rope_type {str(kind)[:40]!r} is not one transformers has "
+                               f"({', '.join(sorted(known))})")
 
 
 __all__ = ["FFN_KEYS", "MAX_LAYERS", "MAX_SIZE", "METADATA", "REQUIRED", "SIZES", "check_hf_config"]
