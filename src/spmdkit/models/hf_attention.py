@@ -48,6 +48,11 @@ class MaskRecord:
     kept: list[str] = field(default_factory=list)
     #: calls of the ``sdpa`` attention function
     sdpa_calls: int = 0
+    #: the masks built (mask, why), and those an ``sdpa`` call was handed: a mask no attention
+    #: reads (Qwen2-MoE builds a sliding-window mask of window 0 beside the causal one, and every
+    #: layer is full attention) is no reason; :meth:`settle` keeps the reasons of the masks read
+    built: list[tuple[Any, str]] = field(default_factory=list)
+    read: list[Any] = field(default_factory=list)
 
     @property
     def unsafe(self) -> bool:
@@ -58,6 +63,16 @@ class MaskRecord:
     def keep(self, why: str) -> None:
         if why not in self.kept:
             self.kept.append(why)
+
+    def settle(self) -> None:
+        """The built masks' reasons into :attr:`kept`: those of the masks an sdpa call read, or all
+        of them where no call went through sdpa or one read a mask that is none of them (the model
+        changed it: a bias added, a slice taken)."""
+        mine = [why for m, why in self.built if any(m is r for r in self.read)]
+        if not self.sdpa_calls or any(not any(r is m for m, _why in self.built) for r in self.read):
+            mine = [why for _m, why in self.built]
+        for why in mine:
+            self.keep(why)
 
 
 def _skip_reason(kv_length: int, q_length: int, q_offset: Any, local_size: int | None, causal_skip: bool,
@@ -85,10 +100,11 @@ def _causal_mask_fn(record: MaskRecord, hf_mask: Any) -> Any:
         if why is None:
             record.skipped += 1
             return None
-        record.keep(why)
-        return hf_mask(batch_size, q_length, kv_length, q_offset, kv_offset, *args, local_size=local_size,
+        made = hf_mask(batch_size, q_length, kv_length, q_offset, kv_offset, *args, local_size=local_size,
                        allow_is_causal_skip=allow_is_causal_skip,
                        allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
+        record.built.append((made, why))
+        return made
 
     return mask
 
@@ -96,6 +112,8 @@ def _causal_mask_fn(record: MaskRecord, hf_mask: Any) -> Any:
 def _counted(record: MaskRecord, fn: Any) -> Any:
     def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
         record.sdpa_calls += 1
+        if attention_mask is not None:
+            record.read.append(attention_mask)
         if kwargs.get("position_bias") is not None:
             record.keep("a relative position bias added to the scores")
         return fn(module, query, key, value, attention_mask, *args, **kwargs)
@@ -128,7 +146,10 @@ def unmasked_attention() -> Iterator[MaskRecord]:
     record = MaskRecord()
     with _local(ALL_MASK_ATTENTION_FUNCTIONS, "sdpa", _causal_mask_fn(record, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])), \
             _local(ALL_ATTENTION_FUNCTIONS, "sdpa", _counted(record, ALL_ATTENTION_FUNCTIONS["sdpa"])):
-        yield record
+        try:
+            yield record
+        finally:
+            record.settle()
 
 
 def square_tensors(prog: Any, seq: int) -> list[str]:
