@@ -107,6 +107,12 @@ def test_what_cannot_be_split_by_position_is_refused_by_name() -> None:
         import_hf("MistralForCausalLM", json.dumps(mistral), seq=8, cp=(2, "allgather", "zigzag"))
     assert str(e.value) == ("--strategy cp: MistralForCausalLM's attention has sliding window 4 <= seq 8: context "
                             "parallelism splits causal attention with no mask or bias only")
+    falcon = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 64}
+    with pytest.raises(ProgramError) as e:  # its mask always built in full (for ALiBi): it said 'has the model has'
+        import_hf("FalconForCausalLM", json.dumps(falcon), seq=8, cp=(2, "allgather", "zigzag"))
+    assert str(e.value) == ("--strategy cp: FalconForCausalLM's attention has a mask the model builds in full (HF "
+                            "builds it so for a bias such as ALiBi, overlays or packed sequences): context "
+                            "parallelism splits causal attention with no mask or bias only")
     with pytest.raises(ProgramError, match=r"^--mesh cp=2: the sequence of 6 tokens does not split into 2 x cp = 4"):
         import_hf("LlamaForCausalLM", json.dumps(LLAMA), seq=6, cp=(2, "allgather", "zigzag"))
     with pytest.raises(ProgramError, match=r"cp x tp = 4 does not divide the model's 2 kv heads"):

@@ -81,7 +81,7 @@ def _skip_reason(kv_length: int, q_length: int, q_offset: Any, local_size: int |
     if not isinstance(q_offset, int) or not isinstance(kv_length, int):
         return "a mask over a cache (an offset HF reads at run time)"
     if not (causal_skip or bidirectional_skip):
-        return "the model has the mask built (a bias added to it such as ALiBi, overlays or packed sequences)"
+        return "a mask the model builds in full (HF builds it so for a bias such as ALiBi, overlays or packed sequences)"
     if local_size is not None and kv_length >= local_size:
         return f"sliding window {local_size} <= seq {kv_length}"
     if bidirectional_skip:
