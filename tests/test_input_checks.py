@@ -315,6 +315,22 @@ def test_another_models_config_and_an_auto_class_are_refused_naming_the_class(
     assert rc == 0, capsys.readouterr().err[-1000:]
 
 
+def test_the_title_says_the_dtype_planned_and_the_configs_own(capsys: pytest.CaptureFixture[str]) -> None:
+    """A published config.json says torch_dtype bfloat16; --dtype's default float32 planned it at twice
+    the bytes with no word of either dtype in the report."""
+    cfg = json.dumps({**LLAMA, "torch_dtype": "bfloat16"})
+    assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", cfg, "--mesh", "dp=2", "--strategy", "dp"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["LlamaForCausalLM (HuggingFace), batch 2, seq 16, float32; strategy dp",
+                       "note: the config's torch_dtype is bfloat16; the model is planned in float32 (--dtype bfloat16 "
+                       "plans it as the config says)"]
+    assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", cfg, "--mesh", "dp=2", "--strategy", "dp",
+                 "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "LlamaForCausalLM (HuggingFace), batch 2, seq 16, bfloat16; strategy dp"
+    assert not out[1].startswith("note: the config's torch_dtype")
+
+
 def test_unknown_key_is_a_warning_line_and_the_model_plans(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = {**LLAMA, "my_custom_flag": 1}
     rc = main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(cfg), "--mesh", "dp=2", "--strategy", "dp",
