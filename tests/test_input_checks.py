@@ -148,6 +148,10 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
      "rope_scaling's rope_type 'bogus' is not one transformers has (default, dynamic, linear, llama3, longrope, "
      "proportional, yarn)"),
     ("gemma2", {"rope_parameters": {"rope_type": "ntk", "factor": 2.0}}, "rope_parameters's rope_type 'ntk'"),
+    # an activation ACT2FN lacks ('the model does not import: KeyError: 'swish2'' before)
+    ("llama", {"hidden_act": "swish2"}, "hidden_act 'swish2' is not an activation transformers has (did you mean "
+                                        "'swish'?)"),
+    ("gpt2", {"activation_function": "relu3"}, "activation_function 'relu3' is not an activation transformers has"),
 ]
 
 

@@ -329,6 +329,28 @@ def check_hf_config(cfg_cls: type, cfg: Mapping[str, Any], model_cls: type | Non
         msg = " ".join(str(exc).split())[:300]
         raise ProgramError(f"--hf-config: {s.name} rejects the config: {type(exc).__name__}: {msg}") from None
     _check_rope(s, cfg, conf)
+    _check_activation(s, cfg)
+
+
+#: Config keys naming the MLP's activation by its ``transformers.activations.ACT2FN`` name.
+ACTIVATION_KEYS = ("hidden_act", "activation_function", "hidden_activation", "activation")
+
+
+def _check_activation(s: _Schema, cfg: Mapping[str, Any]) -> None:
+    """An activation the class looks up in ``ACT2FN`` is one it has (``hidden_act: "swish2"`` failed
+    at build: 'the model does not import: KeyError: 'swish2''). A key counts where the class's
+    default for it is an ``ACT2FN`` name (T5's ``feed_forward_proj`` is not)."""
+    try:
+        from transformers.activations import ACT2FN
+    except ImportError:
+        return
+    for key in ACTIVATION_KEYS:
+        own, v = s.key(key), cfg.get(key)
+        if not isinstance(v, str) or s.defaults.get(own) not in ACT2FN or v in ACT2FN:
+            continue
+        close = difflib.get_close_matches(v, sorted(ACT2FN), n=1)
+        raise ProgramError(f"--hf-config: {key} {v[:40]!r} is not an activation transformers has"
+                           + (f" (did you mean {close[0]!r}?)" if close else f" ({', '.join(sorted(ACT2FN)[:12])}, ...)"))
 
 
 def _check_rope(s: _Schema, cfg: Mapping[str, Any], conf: Any) -> None:
