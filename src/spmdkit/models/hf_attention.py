@@ -163,13 +163,32 @@ def square_tensors(prog: Any, seq: int) -> list[str]:
 def spelt_out_attention(prog: Any, seq: int) -> list[str]:
     """The forward softmaxes of ``prog`` over ``[..., seq, seq]`` scores (attention spelt out with
     its mask, not one ``flash_attention``), by output name."""
+    made = {n: op for op in prog.ops if op.phase == "forward" for n in op.output_names()}
     got = []
     for op in prog.ops:
         if op.phase == "forward" and op.rule == "softmax":
             x = prog.tensors[op.input_names()[0]]
-            if len(x.shape) >= 3 and tuple(x.shape[-2:]) == (seq, seq):
+            if len(x.shape) >= 3 and tuple(x.shape[-2:]) == (seq, seq) and not _of_a_weight(prog, made, op):
                 got.extend(op.output_names()[:1])
     return got
+
+
+def _of_a_weight(prog: Any, made: dict[str, Any], softmax: Any) -> bool:
+    """The softmax's scores come from a matmul with a parameter (a MoE router's ``[batch, seq,
+    experts]`` logits, whose last two axes are ``[seq, seq]`` where the experts equal seq), not
+    from q and k; through the elementwise ops between (scale, mask, cast, soft-cap)."""
+    name = softmax.input_names()[0]
+    for _ in range(16):
+        op = made.get(name)
+        if op is None:
+            return False
+        if op.rule == "matmul":
+            return any(prog.tensors[n].kind == "parameter" for n in op.input_names())
+        names = [n for n in op.input_names() if tuple(prog.tensors[n].shape) == tuple(prog.tensors[name].shape)]
+        if not names:
+            return False
+        name = names[0]
+    return False
 
 
 def attention_note(record: MaskRecord | None, prog: Any, seq: int, padded: bool) -> str:
