@@ -37,6 +37,10 @@ GPT2_ATTN_WHOLE = {"c_attn": "replicate", "attn.c_proj": "replicate"}
 MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
 PHI3 = {**LLAMA, "pad_token_id": 0}
 GEMMA2 = {**LLAMA, "head_dim": 16}
+#: attention modules that view q / k / v with head counts of their own (self.num_heads): HEADS_PER_RANK
+STABLELM = dict(LLAMA)
+OPT = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "vocab_size": 256,
+       "max_position_embeddings": 64, "word_embed_proj_dim": 64, "enable_bias": False}  # k bias: its gradient is 0 but for rounding
 BATCH, SEQ = 4, 16
 
 
@@ -510,7 +514,7 @@ def _ranks() -> Any:
     return torch_export_ranks
 
 
-#: the eight dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
+#: the ten dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
 #: them all (torch_export_ranks.rank_cases: one import of torch and transformers a rank, ~30 s of
 #: CPU a launch saved per case), checked by one test (so one xdist worker runs the spawn)
 GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp,fsdp"),
@@ -520,7 +524,9 @@ GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp
               "gpt2-megatron,sp": ("GPT2LMHeadModel", GPT2, "megatron,sp"),
               "phi3-megatron": ("Phi3ForCausalLM", PHI3, "megatron"),
               "gemma2-megatron": ("Gemma2ForCausalLM", GEMMA2, "megatron"),
-              "gemma2-megatron,sp": ("Gemma2ForCausalLM", GEMMA2, "megatron,sp")}
+              "gemma2-megatron,sp": ("Gemma2ForCausalLM", GEMMA2, "megatron,sp"),
+              "stablelm-megatron,sp": ("StableLmForCausalLM", STABLELM, "megatron,sp"),
+              "opt-megatron": ("OPTForCausalLM", OPT, "megatron")}
 
 
 @pytest.fixture()
@@ -599,7 +605,12 @@ def test_exported_files_on_gloo_equal_eager(gloo_runs: dict[str, tuple[Any, Any]
     soft-capped logits (x / cap, tanh, x cap) kept vocab-sharded into the parallel loss (its head's
     output was made local before, each rank's loss over half the vocabulary), and under megatron,sp its
     norms SequenceParallel through their 1 + weight and its scaled embedding's partial lookup counted as
-    the all-reduce torch runs inside the module (_SCALED_DOC)."""
+    the all-reduce torch runs inside the module (_SCALED_DOC). StableLM's and OPT's attention view q /
+    k / v with their own num_heads: HEADS_PER_RANK divides them by tp (StableLM failed 'shape [2, 8, 4,
+    16] is invalid', OPT's view(bsz, -1, num_heads, head_dim) folded heads into the sequence: its loss
+    was not eager's)."""
+    assert gloo_runs["stablelm-megatron,sp"][1].HEADS_PER_RANK == ("model.layers.*.self_attn",)
+    assert gloo_runs["opt-megatron"][1].HEADS_PER_RANK == ("model.decoder.layers.*.self_attn",)
     failures = []
     for case, (result, mod) in gloo_runs.items():
         try:
