@@ -368,7 +368,7 @@ def test_cli_auto_hf(hf_prog: Any) -> None:
                         "--auto-time-limit", "20")
     assert rc == 0, err
     got = json.loads(out)
-    assert got["title"].startswith("LlamaForCausalLM (HuggingFace), batch 2, seq 8; --auto")
+    assert got["title"].startswith("LlamaForCausalLM (HuggingFace), batch 2, seq 8, float32; --auto")
     assert got["auto"]["status"] == "Optimal"
     rc, out, err = _cli("plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(HF_CFG), "--mesh", "dp=2",
                         "--auto", "--verify")

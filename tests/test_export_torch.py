@@ -44,6 +44,10 @@ DSV3 = {**LLAMA, "num_key_value_heads": 4, "moe_intermediate_size": 32, "n_route
 QWEN2MOE = {**LLAMA, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4,
             "num_experts_per_tok": 2}
 GEMMA2 = {**LLAMA, "head_dim": 16}
+#: attention modules that view q / k / v with head counts of their own (self.num_heads): HEADS_PER_RANK
+STABLELM = dict(LLAMA)
+OPT = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "vocab_size": 256,
+       "max_position_embeddings": 64, "word_embed_proj_dim": 64, "enable_bias": False}  # k bias: its gradient is 0 but for rounding
 BATCH, SEQ = 4, 16
 
 
@@ -575,7 +579,9 @@ GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp
               "gemma2-megatron": ("Gemma2ForCausalLM", GEMMA2, "megatron"),
               "gemma2-megatron,sp": ("Gemma2ForCausalLM", GEMMA2, "megatron,sp"),
               "deepseek_v3-megatron": ("DeepseekV3ForCausalLM", DSV3, "megatron"),
-              "qwen2_moe-megatron,sp": ("Qwen2MoeForCausalLM", QWEN2MOE, "megatron,sp")}
+              "qwen2_moe-megatron,sp": ("Qwen2MoeForCausalLM", QWEN2MOE, "megatron,sp"),
+              "stablelm-megatron,sp": ("StableLmForCausalLM", STABLELM, "megatron,sp"),
+              "opt-megatron": ("OPTForCausalLM", OPT, "megatron")}
 
 
 @pytest.fixture()
@@ -658,7 +664,12 @@ def test_exported_files_on_gloo_equal_eager(gloo_runs: dict[str, tuple[Any, Any]
     under megatron,sp: the shared experts beside the replicated router / shared_expert_gate
     (PrepareModuleInput on DeepSeek's shared experts; Qwen2-MoE's MoE block between
     PrepareModuleInputOutput), DeepSeek's MLA key through GradAllReduceColumns (without it kv_a_proj_with_mqa's
-    gradient was each rank's heads' share: 0.9 % off, 2 all-reduces fewer backward)."""
+    gradient was each rank's heads' share: 0.9 % off, 2 all-reduces fewer backward). StableLM's and OPT's
+    attention view q / k / v with their own num_heads: HEADS_PER_RANK divides them by tp (StableLM failed
+    'shape [2, 8, 4, 16] is invalid', OPT's view(bsz, -1, num_heads, head_dim) folded heads into the
+    sequence: its loss was not eager's)."""
+    assert gloo_runs["stablelm-megatron,sp"][1].HEADS_PER_RANK == ("model.layers.*.self_attn",)
+    assert gloo_runs["opt-megatron"][1].HEADS_PER_RANK == ("model.decoder.layers.*.self_attn",)
     failures = []
     for case, (result, mod) in gloo_runs.items():
         try:

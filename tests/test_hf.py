@@ -382,3 +382,29 @@ def test_hf_build_refuses_a_model_larger_than_memory(monkeypatch: Any) -> None:
     monkeypatch.setattr(hf, "_available_bytes", lambda: 2 * n * 2)  # built in bf16 directly: no fp32 copy
     assert hf.build("LlamaForCausalLM", cfg, dtype="bf16").dtype == torch.bfloat16
     assert not hf.has_weights(hf.build("LlamaForCausalLM", cfg, dtype="bf16", weights=False))  # not refused
+
+
+@pytest.mark.parametrize("max_positions", [64, 8])
+def test_dynamic_ntk_rope_imports_as_hf_computes_it(max_positions: int) -> None:
+    """rope_scaling dynamic (HF's dynamic NTK: the frequencies recomputed from the largest position
+    id in the forward) failed torch.export ('GuardOnDataDependentSymNode'); it imports with the
+    frequencies HF computes at the traced length: unchanged at seq 16 <= max_position_embeddings
+    64, grown past 8; the step's loss equal to eager either way."""
+    import torch
+
+    from spmdkit.models.hf import import_hf
+
+    cfg = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": max_positions}
+    dyn = {**cfg, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}
+    prog, m, kw = import_hf("LlamaForCausalLM", dyn, batch=2, seq=16, dtype="float64")
+    got = run_program(prog, torch_values(prog, m, (), kw))[prog.loss]
+    rope = m.model.rotary_emb
+    assert rope.rope_type == "dynamic"  # restored after the trace
+    with torch.no_grad():
+        eager = m(**kw).loss.item()
+    assert abs(float(got) - eager) < 1e-6  # HF upcasts the logits to float32 for its loss
+    # the frequencies the step read: grown (base 10000 x (4 x 16 / 8 - 3) ** (8 / 6)) past 8 positions
+    grown = 1.0 / (10000 * 5 ** (8 / 6)) ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    want = grown if max_positions < 16 else rope.original_inv_freq
+    assert torch.allclose(rope.inv_freq.double(), want.double(), rtol=1e-6)

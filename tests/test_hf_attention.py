@@ -192,3 +192,14 @@ def test_the_note_is_the_reports_second_line(capsys: pytest.CaptureFixture[str])
         assert "; strategy dp" in lines[first]
         assert lines[first + 1].startswith("note: 2 attention(s) spelt out") and "sliding window 8 <= seq 16" in \
             lines[first + 1] and "strategy" not in lines[first + 1]
+
+
+def test_a_router_softmax_over_as_many_experts_as_tokens_is_no_attention() -> None:
+    """Mixtral with 8 experts traced at seq 8: the router's softmax over [batch, seq, 8] logits has
+    [seq, seq] last axes; it was counted as attention spelt out ('note: 2 attention(s) spelt out
+    with an explicit [8, 8] mask'), though attention is one flash_attention a layer."""
+    cfg = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 64, "num_local_experts": 8, "num_experts_per_tok": 2}
+    prog, _m, _kw = import_hf("MixtralForCausalLM", cfg, seq=8, weights=False)
+    assert sum(op.rule == "flash_attention" for op in prog.ops if op.phase == "forward") == 2
+    assert spelt_out_attention(prog, 8) == [] and not any("spelt out" in n for n in prog.notes)

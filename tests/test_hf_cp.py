@@ -88,6 +88,17 @@ def test_verify_simulates_equal(model: str, mesh: str, strategy: str) -> None:
     assert v["ok"] and v["checked"] > 300, v["text"]
 
 
+def test_a_mask_no_attention_reads_is_no_reason_to_refuse_cp() -> None:
+    """Qwen2-MoE's config sets sliding_window 0 without use_sliding_window and its model builds a
+    sliding-window mask beside the causal one, though every layer is full attention: cp was refused
+    ('attention has sliding window 0 <= seq 16'); the mask no sdpa call reads is no reason now, and
+    the plan verifies."""
+    moe = {**QWEN, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "shared_expert_intermediate_size": 64}
+    v = verify_hf("Qwen2MoeForCausalLM", moe, "dp=2,cp=2", "dp,cp")
+    assert v["ok"] and v["checked"] > 300, v["text"]
+
+
 def test_what_cannot_be_split_by_position_is_refused_by_name() -> None:
     with pytest.raises(ProgramError, match=r"^--pad 2 with --strategy cp: a padded batch needs its padding mask"):
         import_hf("LlamaForCausalLM", json.dumps(LLAMA), seq=8, pad=2, cp=(2, "allgather", "zigzag"))
@@ -95,6 +106,12 @@ def test_what_cannot_be_split_by_position_is_refused_by_name() -> None:
     with pytest.raises(ProgramError) as e:
         import_hf("MistralForCausalLM", json.dumps(mistral), seq=8, cp=(2, "allgather", "zigzag"))
     assert str(e.value) == ("--strategy cp: MistralForCausalLM's attention has sliding window 4 <= seq 8: context "
+                            "parallelism splits causal attention with no mask or bias only")
+    falcon = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 64}
+    with pytest.raises(ProgramError) as e:  # its mask always built in full (for ALiBi): it said 'has the model has'
+        import_hf("FalconForCausalLM", json.dumps(falcon), seq=8, cp=(2, "allgather", "zigzag"))
+    assert str(e.value) == ("--strategy cp: FalconForCausalLM's attention has a mask the model builds in full (HF "
+                            "builds it so for a bias such as ALiBi, overlays or packed sequences): context "
                             "parallelism splits causal attention with no mask or bias only")
     with pytest.raises(ProgramError, match=r"^--mesh cp=2: the sequence of 6 tokens does not split into 2 x cp = 4"):
         import_hf("LlamaForCausalLM", json.dumps(LLAMA), seq=6, cp=(2, "allgather", "zigzag"))

@@ -229,8 +229,8 @@ def test_fused_projection_split_keeps_the_step(name: str) -> None:
 def test_multi_query_c_attn_is_split_by_q_k_v() -> None:
     """GPTBigCode's c_attn [hidden + 2 * head_dim, hidden]: q column-parallel (heads over tp),
     the single k and v head replicated, each said so."""
-    with pytest.warns(UserWarning, match=r"transformer\.h\.0\.attn\.c_attn part 1 \(16 of 96 features\) makes 1 "
-                                         r"head, fewer than tp=2: replicated"):
+    with pytest.warns(UserWarning, match=r"transformer\.h\.\*\.attn\.c_attn \(2 layers\) part 1 \(16 of 96 features\) "
+                                         r"makes 1 head, fewer than tp=2: replicated"):
         prog, plan = plan_program(imported("bigcode")[0], "tp=2", "megatron")
     a = plan.attrs
     assert a["transformer.h.0.attn.c_attn.weight.part0"].dims_mapping == (0, -1)  # q: 64 features

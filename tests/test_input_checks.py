@@ -142,6 +142,16 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     # Gemma 2 (an explicit head_dim: hidden need not divide by the heads, but it must be a size)
     ("gemma2", {"head_dim": -16}, "head_dim is -16"),
     ("gemma2", {"num_key_value_heads": 3}, "not divisible by num_key_value_heads 3"),
+    # a rotary scaling transformers lacks: its config only logs it ('the model does not import:
+    # KeyError: 'bogus'' before); a nested (per layer type) one too
+    ("llama", {"rope_scaling": {"type": "bogus", "factor": 2.0}},
+     "rope_scaling's rope_type 'bogus' is not one transformers has (default, dynamic, linear, llama3, longrope, "
+     "proportional, yarn)"),
+    ("gemma2", {"rope_parameters": {"rope_type": "ntk", "factor": 2.0}}, "rope_parameters's rope_type 'ntk'"),
+    # an activation ACT2FN lacks ('the model does not import: KeyError: 'swish2'' before)
+    ("llama", {"hidden_act": "swish2"}, "hidden_act 'swish2' is not an activation transformers has (did you mean "
+                                        "'swish'?)"),
+    ("gpt2", {"activation_function": "relu3"}, "activation_function 'relu3' is not an activation transformers has"),
 ]
 
 
@@ -167,7 +177,7 @@ def test_good_tiny_configs_pass_the_checks() -> None:
     for cls, cfg in CLASSES.values():
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # not even a warning
-            check_hf_config(getattr(tf, cls).config_class, cfg)
+            check_hf_config(getattr(tf, cls).config_class, cfg, getattr(tf, cls))  # as hf.build calls it
 
 
 @pytest.mark.parametrize("change,says", [
@@ -232,6 +242,12 @@ PUBLISHED: dict[str, tuple[dict[str, Any], set[str]]] = {
         "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
         "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280},
         {"aux_loss_alpha", "ep_size", "moe_layer_freq", "scoring_func", "seq_aux", "topk_method"}),
+    # deepseek-ai/DeepSeek-V2-Lite: q_lora_rank null (no low-rank query compression; the class
+    # annotates it int | None and its attention tests it against None)
+    "DeepseekV2ForCausalLM": (_published("deepseek-v2-lite"), {"aux_loss_alpha", "moe_layer_freq", "scoring_func",
+                                                                "seq_aux"}),
+    # google/gemma-3-1b-pt: sliding_window_pattern 6 (Gemma3TextConfig reads it from its kwargs)
+    "Gemma3ForCausalLM": (_published("gemma-3-1b"), set()),
     "T5ForConditionalGeneration": ({  # t5-base
         "architectures": ["T5ForConditionalGeneration"], "d_ff": 3072, "d_kv": 64, "d_model": 768,
         "decoder_start_token_id": 0, "dropout_rate": 0.1, "eos_token_id": 1, "initializer_factor": 1.0,
@@ -249,7 +265,7 @@ def test_published_configs_pass(cls: str) -> None:
     cfg = {k: v for k, v in cfg.items() if k != "architectures"}  # hf.build drops it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        check_hf_config(getattr(tf, cls).config_class, cfg)
+        check_hf_config(getattr(tf, cls).config_class, cfg, getattr(tf, cls))  # as hf.build calls it
     notes = [str(w.message) for w in caught if str(w.message).startswith("--hf-config")]
     mtp = [n for n in notes if "multi-token-prediction" in n]
     # DeepSeek-V3's num_nextn_predict_layers 1: HF's model has no MTP layer, said so
@@ -261,6 +277,62 @@ def test_published_configs_pass(cls: str) -> None:
         assert notes == []
     else:
         assert len(notes) == 1 and all(repr(k) in notes[0] for k in ignored), notes
+
+
+def test_null_q_lora_rank_and_the_sliding_window_pattern_build_their_models() -> None:
+    """DeepSeek-V2-Lite's q_lora_rank null builds the plain query projection (no q_a_proj), and
+    Gemma 3's sliding_window_pattern 2 makes every second layer global; both were refused
+    ('q_lora_rank is null; DeepseekV2Config needs an integer >= 1', "'sliding_window_pattern' is
+    not a key of Gemma3TextConfig (did you mean '_sliding_window_pattern'?)")."""
+    from spmdkit.models.hf import build
+
+    ds = {k: v for k, v in _published("deepseek-v2-lite").items() if k != "architectures"}
+    ds.update(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+              kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, vocab_size=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        attn = build("DeepseekV2ForCausalLM", ds).model.layers[0].self_attn
+        gemma = build("Gemma3ForCausalLM", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+                                            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                                            "vocab_size": 64, "sliding_window_pattern": 2})
+    assert tuple(attn.q_proj.weight.shape) == (4 * 16, 32) and attn.q_a_proj is None
+    assert gemma.config.layer_types == ["sliding_attention", "full_attention"] * 2
+
+
+def test_another_models_config_and_an_auto_class_are_refused_naming_the_class(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Mixtral's config.json given to --hf LlamaForCausalLM planned a dense Llama (its expert keys
+    one 'ignored' warning); an auto class was 'transformers has no model class'."""
+    mixtral = str(Path(__file__).parent / "data" / "hf" / "mixtral-8x7b.json")
+    one_line(capsys, ["plan", "--hf", "LlamaForCausalLM", "--hf-config", mixtral, "--mesh", "dp=2", "--strategy", "dp"],
+             "--hf-config: model_type 'mixtral' is not LlamaForCausalLM's (LlamaConfig: 'llama'); the config is another "
+             "model's, whose keys LlamaConfig would drop (the config's architectures: MixtralForCausalLM)")
+    one_line(capsys, ["run", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps({**LLAMA, "model_type": "mistral"}),
+                      "--mesh", "dp=2", "--strategy", "dp"], "model_type 'mistral' is not LlamaForCausalLM's")
+    one_line(capsys, ["plan", "--hf", "AutoModelForCausalLM", "--hf-config", json.dumps({**LLAMA, "model_type": "qwen2"}),
+                      "--mesh", "dp=2", "--strategy", "dp"],
+             "hf: AutoModelForCausalLM is one of transformers' auto classes, which pick a model class by the config's "
+             "model_type; give the model class itself (model_type 'qwen2': Qwen2ForCausalLM)")
+    rc = main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps({**LLAMA, "model_type": "llama"}),
+               "--mesh", "dp=2", "--strategy", "dp", "--json"])
+    assert rc == 0, capsys.readouterr().err[-1000:]
+
+
+def test_the_title_says_the_dtype_planned_and_the_configs_own(capsys: pytest.CaptureFixture[str]) -> None:
+    """A published config.json says torch_dtype bfloat16; --dtype's default float32 planned it at twice
+    the bytes with no word of either dtype in the report."""
+    cfg = json.dumps({**LLAMA, "torch_dtype": "bfloat16"})
+    assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", cfg, "--mesh", "dp=2", "--strategy", "dp"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["LlamaForCausalLM (HuggingFace), batch 2, seq 16, float32; strategy dp",
+                       "note: the config's torch_dtype is bfloat16; the model is planned in float32 (--dtype bfloat16 "
+                       "plans it as the config says)"]
+    assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", cfg, "--mesh", "dp=2", "--strategy", "dp",
+                 "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "LlamaForCausalLM (HuggingFace), batch 2, seq 16, bfloat16; strategy dp"
+    assert not out[1].startswith("note: the config's torch_dtype")
 
 
 def test_unknown_key_is_a_warning_line_and_the_model_plans(capsys: pytest.CaptureFixture[str]) -> None:

@@ -180,7 +180,7 @@ def test_cli_hf_pipeline(capsys: pytest.CaptureFixture[str], hf_and_preset: Any)
     first, title = out.splitlines()[:2]
     # 4 layers on 3 stages: the middle stage takes two
     assert first.startswith("note: 4 layers do not divide evenly into 3 stages: split 1,2,1 (balanced by predicted")
-    assert title.startswith("LlamaForCausalLM (HuggingFace), 4 layers, batch 2 as 1 microbatches of 2, seq 8; "
+    assert title.startswith("LlamaForCausalLM (HuggingFace), 4 layers, batch 2 as 1 microbatches of 2, seq 8, float32; "
                             "strategy dp; pipeline pp=3")
     assert "layers per stage 1,2,1" in out
 

@@ -174,7 +174,7 @@ def _title(got: PipelinePlan, source: ModelSource, spec: PipelineSpec) -> str:
                 f"{c.vocab}, seq {c.seq}, batch {c.batch * m} as {m} microbatches of {c.batch}, {c.dtype}")
     if isinstance(source, HFModel):
         return (f"{source.class_name} (HuggingFace), {got.layers} layers, batch {got.batch} as {m} microbatches of "
-                f"{got.microbatch}, seq {source.seq}")
+                f"{got.microbatch}, seq {source.seq}, {source.dtype}")
     return f"{got.loaded.title}, {got.layers} layers, {m} microbatches of its step"
 
 

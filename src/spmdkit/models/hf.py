@@ -112,9 +112,19 @@ def model_class(class_name: str, config: Any) -> tuple[Any, Any]:
     tf = _transformers()
     cls = getattr(tf, class_name, None)
     cfg_cls = getattr(cls, "config_class", None)
+    if isinstance(cls, type) and getattr(cls, "_model_mapping", None) is not None:
+        raise ProgramError(f"hf: {class_name} is one of transformers' auto classes, which pick a model class by the "
+                           f"config's model_type; give the model class itself"
+                           f"{_own_class(cls, load_config(config))}")
     if cls is None or cfg_cls is None or not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
         raise ProgramError(f"hf: transformers has no model class {class_name!r}")
     cfg = load_config(config)
+    given = cfg.get("model_type")
+    own = getattr(cfg_cls, "model_type", "")
+    if isinstance(given, str) and own and given != own:  # another model's config: its keys would be dropped
+        raise ProgramError(f"--hf-config: model_type {given[:40]!r} is not {class_name}'s ({cfg_cls.__name__}: "
+                           f"{own!r}); the config is another model's, whose keys {cfg_cls.__name__} would drop"
+                           f"{_own_class(None, cfg)}")
     cfg.pop("architectures", None)
     check_hf_config(cfg_cls, cfg, cls)  # one line naming the key for a bad config (models/hf_checks.py)
     try:
@@ -122,6 +132,19 @@ def model_class(class_name: str, config: Any) -> tuple[Any, Any]:
     except (TypeError, ValueError) as exc:
         raise ProgramError(f"hf: {cfg_cls.__name__} rejects the config: {exc}") from None
     return cls, conf
+
+
+def _own_class(auto: Any, cfg: Mapping[str, Any]) -> str:
+    """A hint naming the model class ``cfg`` is for: its ``architectures``, else the class the auto
+    class ``auto`` maps its model_type to; empty where neither says."""
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs):
+        return f" (the config's architectures: {', '.join(a[:60] for a in archs[:4])})"
+    try:
+        conf_cls = _transformers().CONFIG_MAPPING[cfg["model_type"]]
+        return f" (model_type {cfg['model_type']!r}: {auto._model_mapping[conf_cls].__name__})"
+    except Exception:  # no model_type, one transformers lacks, or no such head for it
+        return ""
 
 
 @contextlib.contextmanager
@@ -255,6 +278,39 @@ def example_inputs(model: Any, batch: int = 2, seq: int = 16, *, labels: bool = 
     return kw
 
 
+@contextlib.contextmanager
+def dynamic_rope_at(model: Any, seq: int) -> Iterator[None]:
+    """HF's dynamic NTK rotary embedding (``rope_type`` "dynamic") recomputes its frequencies in
+    each forward from the largest position id (``torch.max(position_ids) + 1`` against its cache,
+    ``modeling_rope_utils.dynamic_rope_update``): a data-dependent branch ``torch.export`` cannot
+    trace ('GuardOnDataDependentSymNode'). The traced step's positions are 0 .. seq - 1, so the
+    update runs once here, eagerly at ``seq`` (the frequencies grown past
+    ``max_position_embeddings``, or left as they are), and the trace reads them with the update
+    off (``rope_type`` "default" while it traces): the values HF computes at that length."""
+    import torch
+
+    saved = []
+    for mod in model.modules():
+        rt = getattr(mod, "rope_type", None)
+        kinds = {None: rt} if isinstance(rt, str) else dict(rt) if isinstance(rt, dict) else {}
+        dyn = [lt for lt, k in kinds.items() if isinstance(k, str) and "dynamic" in k]
+        if not dyn or not isinstance(mod, torch.nn.Module):
+            continue
+        buf = next(mod.buffers(), None)
+        x = torch.zeros(1, device=buf.device if buf is not None else "cpu")
+        pos = torch.arange(seq, device=x.device)[None]
+        with torch.no_grad():
+            for lt in dyn:
+                mod(x, pos) if lt is None else mod(x, pos, layer_type=lt)
+        saved.append((mod, rt))
+        setattr(mod, "rope_type", "default" if isinstance(rt, str) else {**kinds, **dict.fromkeys(dyn, "default")})  # noqa: B010
+    try:
+        yield
+    finally:
+        for mod, rt in saved:
+            setattr(mod, "rope_type", rt)  # noqa: B010
+
+
 def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dtype: str = "float32",
               training: bool = True, pad: int = 0, seed: int = 0, weights: bool | None = True,
               repeat: bool | None = None, moe: str | float | None = "auto",
@@ -307,11 +363,13 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     if moe == "auto":
         moe = "dropless" if weights is True else "uniform"
     record = None
-    if not pad:  # no padding: HF's sdpa mask is skipped as in eager mode (models/hf_attention.py)
-        with unmasked_attention() as record:
+    with dynamic_rope_at(model, seq):
+        if not pad:  # no padding: HF's sdpa mask is skipped as in eager mode (models/hf_attention.py)
+            with unmasked_attention() as record:
+                prog = import_module(model, (), kw, training=training, repeat_layers=repeat, moe=moe, fuse=True,
+                                     **opts)
+        if record is None or record.unsafe:
             prog = import_module(model, (), kw, training=training, repeat_layers=repeat, moe=moe, fuse=True, **opts)
-    if record is None or record.unsafe:
-        prog = import_module(model, (), kw, training=training, repeat_layers=repeat, moe=moe, fuse=True, **opts)
     if chunks > 1:
         prog.moe_chunks_by = " x ".join(w for w, n in (("cp", cp[0] if cp is not None else 1), ("tp", tp_chunks))
                                         if n > 1)
@@ -323,5 +381,5 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     return prog, model, kw
 
 
-__all__ = ["MEMORY_FRACTION", "WEIGHTS_UP_TO", "build", "dtype_name", "example_inputs", "has_weights", "import_hf",
+__all__ = ["MEMORY_FRACTION", "WEIGHTS_UP_TO", "build", "dtype_name", "dynamic_rope_at", "example_inputs", "has_weights", "import_hf",
            "load_config", "model_class"]

@@ -48,6 +48,11 @@ class MaskRecord:
     kept: list[str] = field(default_factory=list)
     #: calls of the ``sdpa`` attention function
     sdpa_calls: int = 0
+    #: the masks built (mask, why), and those an ``sdpa`` call was handed: a mask no attention
+    #: reads (Qwen2-MoE builds a sliding-window mask of window 0 beside the causal one, and every
+    #: layer is full attention) is no reason; :meth:`settle` keeps the reasons of the masks read
+    built: list[tuple[Any, str]] = field(default_factory=list)
+    read: list[Any] = field(default_factory=list)
 
     @property
     def unsafe(self) -> bool:
@@ -59,6 +64,16 @@ class MaskRecord:
         if why not in self.kept:
             self.kept.append(why)
 
+    def settle(self) -> None:
+        """The built masks' reasons into :attr:`kept`: those of the masks an sdpa call read, or all
+        of them where no call went through sdpa or one read a mask that is none of them (the model
+        changed it: a bias added, a slice taken)."""
+        mine = [why for m, why in self.built if any(m is r for r in self.read)]
+        if not self.sdpa_calls or any(not any(r is m for m, _why in self.built) for r in self.read):
+            mine = [why for _m, why in self.built]
+        for why in mine:
+            self.keep(why)
+
 
 def _skip_reason(kv_length: int, q_length: int, q_offset: Any, local_size: int | None, causal_skip: bool,
                  bidirectional_skip: bool) -> str | None:
@@ -66,7 +81,7 @@ def _skip_reason(kv_length: int, q_length: int, q_offset: Any, local_size: int |
     if not isinstance(q_offset, int) or not isinstance(kv_length, int):
         return "a mask over a cache (an offset HF reads at run time)"
     if not (causal_skip or bidirectional_skip):
-        return "the model has the mask built (a bias added to it such as ALiBi, overlays or packed sequences)"
+        return "a mask the model builds in full (HF builds it so for a bias such as ALiBi, overlays or packed sequences)"
     if local_size is not None and kv_length >= local_size:
         return f"sliding window {local_size} <= seq {kv_length}"
     if bidirectional_skip:
@@ -85,10 +100,11 @@ def _causal_mask_fn(record: MaskRecord, hf_mask: Any) -> Any:
         if why is None:
             record.skipped += 1
             return None
-        record.keep(why)
-        return hf_mask(batch_size, q_length, kv_length, q_offset, kv_offset, *args, local_size=local_size,
+        made = hf_mask(batch_size, q_length, kv_length, q_offset, kv_offset, *args, local_size=local_size,
                        allow_is_causal_skip=allow_is_causal_skip,
                        allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
+        record.built.append((made, why))
+        return made
 
     return mask
 
@@ -96,6 +112,8 @@ def _causal_mask_fn(record: MaskRecord, hf_mask: Any) -> Any:
 def _counted(record: MaskRecord, fn: Any) -> Any:
     def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
         record.sdpa_calls += 1
+        if attention_mask is not None:
+            record.read.append(attention_mask)
         if kwargs.get("position_bias") is not None:
             record.keep("a relative position bias added to the scores")
         return fn(module, query, key, value, attention_mask, *args, **kwargs)
@@ -128,7 +146,10 @@ def unmasked_attention() -> Iterator[MaskRecord]:
     record = MaskRecord()
     with _local(ALL_MASK_ATTENTION_FUNCTIONS, "sdpa", _causal_mask_fn(record, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])), \
             _local(ALL_ATTENTION_FUNCTIONS, "sdpa", _counted(record, ALL_ATTENTION_FUNCTIONS["sdpa"])):
-        yield record
+        try:
+            yield record
+        finally:
+            record.settle()
 
 
 def square_tensors(prog: Any, seq: int) -> list[str]:
@@ -142,13 +163,32 @@ def square_tensors(prog: Any, seq: int) -> list[str]:
 def spelt_out_attention(prog: Any, seq: int) -> list[str]:
     """The forward softmaxes of ``prog`` over ``[..., seq, seq]`` scores (attention spelt out with
     its mask, not one ``flash_attention``), by output name."""
+    made = {n: op for op in prog.ops if op.phase == "forward" for n in op.output_names()}
     got = []
     for op in prog.ops:
         if op.phase == "forward" and op.rule == "softmax":
             x = prog.tensors[op.input_names()[0]]
-            if len(x.shape) >= 3 and tuple(x.shape[-2:]) == (seq, seq):
+            if len(x.shape) >= 3 and tuple(x.shape[-2:]) == (seq, seq) and not _of_a_weight(prog, made, op):
                 got.extend(op.output_names()[:1])
     return got
+
+
+def _of_a_weight(prog: Any, made: dict[str, Any], softmax: Any) -> bool:
+    """The softmax's scores come from a matmul with a parameter (a MoE router's ``[batch, seq,
+    experts]`` logits, whose last two axes are ``[seq, seq]`` where the experts equal seq), not
+    from q and k; through the elementwise ops between (scale, mask, cast, soft-cap)."""
+    name = softmax.input_names()[0]
+    for _ in range(16):
+        op = made.get(name)
+        if op is None:
+            return False
+        if op.rule == "matmul":
+            return any(prog.tensors[n].kind == "parameter" for n in op.input_names())
+        names = [n for n in op.input_names() if tuple(prog.tensors[n].shape) == tuple(prog.tensors[name].shape)]
+        if not names:
+            return False
+        name = names[0]
+    return False
 
 
 def attention_note(record: MaskRecord | None, prog: Any, seq: int, padded: bool) -> str:

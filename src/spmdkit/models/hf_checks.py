@@ -76,7 +76,7 @@ METADATA = frozenset((
     "begin_suppress_tokens", "bad_words_ids", "diversity_penalty", "num_beam_groups", "typical_p",
     "encoder_no_repeat_ngram_size", "chunk_size_feed_forward", "id2label", "label2id", "num_labels",
     "problem_type", "return_dict", "output_attentions", "output_hidden_states", "tf_legacy_loss",
-    "use_return_dict", "initializer_range", "name_or_path", "n_ctx",
+    "use_return_dict", "initializer_range", "name_or_path", "n_ctx", "cache_implementation",
 ))
 
 #: Older spellings a class still reads from its keyword arguments (BLOOM's published config.json
@@ -122,6 +122,46 @@ def _read_by_model(model_cls: type | None) -> set[str]:
     return set(re.findall(r"\bconfig\.(\w+)", src)) | set(re.findall(r"getattr\(\s*(?:self\.)?config,\s*[\"'](\w+)", src))
 
 
+def _read_from_kwargs(cfg_cls: type) -> set[str]:
+    """The keys a config class reads from its extra keyword arguments (``kwargs.get("KEY"`` /
+    ``kwargs.pop("KEY"``): older spellings it still honours, Gemma 3's
+    ``sliding_window_pattern`` (its published config.json has it; the class sets
+    ``_sliding_window_pattern`` and the layer types from it)."""
+    found: set[str] = set()
+    for c in cfg_cls.__mro__:
+        module = inspect.getmodule(c)
+        if module is None or not module.__name__.startswith("transformers.models."):
+            continue
+        try:
+            src = inspect.getsource(c)
+        except (OSError, TypeError):
+            continue
+        found |= set(re.findall(r"\bkwargs\.(?:get|pop)\(\s*[\"'](\w+)[\"']", src))
+    return found
+
+
+def _nullable(cfg_cls: type, model_cls: type | None) -> set[str]:
+    """The fields a config class annotates as taking ``None`` and that its own code or the
+    model's modeling module tests against ``None`` (``q_lora_rank: int | None = 1536`` and
+    ``if self.q_lora_rank is not None``: DeepSeek-V2's default is a size, but null is a model it
+    builds, V2-Lite's query projection without a low-rank compression). An annotation alone is
+    not enough: BART annotates ``d_model: int | None`` and builds nothing from a null one."""
+    texts = []
+    for obj in (cfg_cls, inspect.getmodule(model_cls) if model_cls is not None else None):
+        try:
+            texts.append(inspect.getsource(obj) if obj is not None else "")
+        except (OSError, TypeError):
+            continue
+    out: set[str] = set()
+    for c in cfg_cls.__mro__:
+        for k, ann in inspect.get_annotations(c).items():
+            text = ann if isinstance(ann, str) else repr(ann)
+            if re.search(r"\bNone\b|Optional\[", text) and \
+                    any(re.search(rf"\b{re.escape(k)}\s+is\s+(?:not\s+)?None\b", t) for t in texts):
+                out.add(k)
+    return out
+
+
 class _Schema:
     """What a config class knows: its keys with their defaults, its aliases (``attribute_map``),
     and the keys the model class's own module reads from its config."""
@@ -137,7 +177,10 @@ class _Schema:
         init = _init_defaults(cfg_cls)
         #: key -> default, as the signature says where it says (a derived default is None there)
         self.defaults: dict[str, Any] = {**made, **{k: v for k, v in init.items() if k in made or not made}}
-        self.known = set(made) | set(init) | set(self.alias) | METADATA | _read_by_model(model_cls)
+        self.known = set(made) | set(init) | set(self.alias) | METADATA | _read_by_model(model_cls) \
+            | _read_from_kwargs(cfg_cls)
+        #: keys whose value may be null: the class's default is null or its annotation admits None
+        self.nullable = {k for k, v in self.defaults.items() if v is None} | _nullable(cfg_cls, model_cls)
 
     def key(self, name: str) -> str:
         """The class's own spelling of ``name`` (``hidden_size`` -> ``n_embd`` for GPT-2)."""
@@ -195,7 +238,7 @@ def _check_sizes(s: _Schema, cfg: Mapping[str, Any]) -> dict[str, Any]:
             values[name] = default
             continue
         v = cfg[key]
-        if v is None and default is None and name in s.defaults:
+        if v is None and name in s.nullable and name in s.defaults:
             values[name] = None
             continue
         low = 0 if default == 0 else 1
@@ -203,7 +246,7 @@ def _check_sizes(s: _Schema, cfg: Mapping[str, Any]) -> dict[str, Any]:
         if not _is_int(v) or not low <= v <= high:
             what = "null" if v is None else f"{type(v).__name__} {str(v)[:40]!r}" if not _is_int(v) else str(v)
             raise ProgramError(f"--hf-config: {key} is {what}; {s.name} needs an integer "
-                               f"{'>= 0' if low == 0 else '>= 1'}" + (" or null" if default is None else "")
+                               f"{'>= 0' if low == 0 else '>= 1'}" + (" or null" if name in s.nullable else "")
                                + (f" and at most {high}" if _is_int(v) and v > high else ""))
         values[name] = v
     return values
@@ -281,10 +324,55 @@ def check_hf_config(cfg_cls: type, cfg: Mapping[str, Any], model_cls: type | Non
     _check_uses(s, cfg, values)
     _check_mtp(s, cfg)
     try:
-        cfg_cls(**cfg)
+        conf = cfg_cls(**cfg)
     except Exception as exc:  # transformers' and huggingface_hub's own checks, whatever their class
         msg = " ".join(str(exc).split())[:300]
         raise ProgramError(f"--hf-config: {s.name} rejects the config: {type(exc).__name__}: {msg}") from None
+    _check_rope(s, cfg, conf)
+    _check_activation(s, cfg)
+
+
+#: Config keys naming the MLP's activation by its ``transformers.activations.ACT2FN`` name.
+ACTIVATION_KEYS = ("hidden_act", "activation_function", "hidden_activation", "activation")
+
+
+def _check_activation(s: _Schema, cfg: Mapping[str, Any]) -> None:
+    """An activation the class looks up in ``ACT2FN`` is one it has (``hidden_act: "swish2"`` failed
+    at build: 'the model does not import: KeyError: 'swish2''). A key counts where the class's
+    default for it is an ``ACT2FN`` name (T5's ``feed_forward_proj`` is not)."""
+    try:
+        from transformers.activations import ACT2FN
+    except ImportError:
+        return
+    for key in ACTIVATION_KEYS:
+        own, v = s.key(key), cfg.get(key)
+        if not isinstance(v, str) or s.defaults.get(own) not in ACT2FN or v in ACT2FN:
+            continue
+        close = difflib.get_close_matches(v, sorted(ACT2FN), n=1)
+        raise ProgramError(f"--hf-config: {key} {v[:40]!r} is not an activation transformers has"
+                           + (f" (did you mean {close[0]!r}?)" if close else f" ({', '.join(sorted(ACT2FN)[:12])}, ...)"))
+
+
+def _check_rope(s: _Schema, cfg: Mapping[str, Any], conf: Any) -> None:
+    """The rotary scaling's type is one transformers has (``ROPE_INIT_FUNCTIONS``): its config
+    validation only logs an unknown one, and the model then fails in its rotary embedding
+    (``KeyError: 'bogus'``)."""
+    try:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    except ImportError:
+        return
+    params = getattr(conf, "rope_parameters", None)
+    if not isinstance(params, Mapping):
+        return
+    per_layer = params.values() if "rope_type" not in params and all(
+        isinstance(v, Mapping) or v is None for v in params.values()) else [params]
+    known = {"default", str(getattr(conf, "default_rope_type", "default")), *ROPE_INIT_FUNCTIONS}
+    key = next((k for k in ("rope_scaling", "rope_parameters") if k in cfg), "rope_parameters")
+    for p in per_layer:
+        kind = p.get("rope_type", p.get("type", "default")) if isinstance(p, Mapping) else "default"
+        if kind not in known:
+            raise ProgramError(f"--hf-config: {key}'s rope_type {str(kind)[:40]!r} is not one transformers has "
+                               f"({', '.join(sorted(known))})")
 
 
 __all__ = ["FFN_KEYS", "MAX_LAYERS", "MAX_SIZE", "METADATA", "REQUIRED", "SIZES", "check_hf_config"]

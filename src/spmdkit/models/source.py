@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spmdkit.core.errors import ProgramError, SpmdError
-from spmdkit.models.hf import import_hf
+from spmdkit.models.hf import dtype_name, import_hf, load_config
 from spmdkit.models.zoo import Model, ModelConfig, build_model, model_label, preset
 from spmdkit.program.ir import Program, load_program
 
@@ -143,7 +143,11 @@ def preset_title(name: str, c: ModelConfig) -> str:
 def hf_title(source: HFModel, prog: Program | None = None) -> str:
     """``CLASS (HuggingFace), batch B, seq S``; with ``--fallback replicate`` and ops replicated
     for want of a lowering, a second line warning of them (the report's first lines)."""
-    title = f"{source.class_name} (HuggingFace), batch {source.batch}, seq {source.seq}"
+    title = f"{source.class_name} (HuggingFace), batch {source.batch}, seq {source.seq}, {source.dtype}"
+    own = config_dtype(source.config)
+    if own is not None and own != source.dtype:
+        title += (f"\nnote: the config's torch_dtype is {own}; the model is planned in {source.dtype} (--dtype "
+                  f"{own} plans it as the config says)")
     note = moe_note(prog) if prog is not None else ""
     if note:
         title += "\n" + note
@@ -154,6 +158,18 @@ def hf_title(source: HFModel, prog: Program | None = None) -> str:
         title += (f"\nwarning: --fallback replicate: {len(fell)} op(s) with no lowering imported replicated (every "
                   f"input and output replicated on every rank): {'; '.join(fell)}")
     return title
+
+
+def config_dtype(config: Any) -> str | None:
+    """The dtype a config.json says its weights are in (``torch_dtype``, or transformers 5's
+    ``dtype``), as :func:`spmdkit.models.hf.dtype_name` names it; None where it says none or one
+    spmdkit does not take."""
+    try:
+        cfg = load_config(config)
+        said = cfg.get("torch_dtype", cfg.get("dtype"))
+        return dtype_name(said) if isinstance(said, str) else None
+    except ProgramError:
+        return None
 
 
 def moe_note(prog: Program) -> str:

@@ -106,6 +106,8 @@ class _TorchExport(_DTensorExport):
         self.row_bias: set[str] = set()
         #: vocab-parallel lookups scaled inside their module (Gemma's embed_scale): torch all-reduces them
         self.scaled_lookups: set[str] = set()
+        #: attention modules whose own head counts _heads_per_rank divides (globs over the layers)
+        self.heads: tuple[str, ...] = ()
 
     def tensor_parallel_dim(self) -> int | None:
         """The mesh dim named ``tp`` (None without one): torch's styles run over ``mesh["tp"]``; a
@@ -400,6 +402,23 @@ class _TorchExport(_DTensorExport):
 # -- what the file says ---------------------------------------------------------------------------
 
 
+def _heads_modules(ex: _TorchExport) -> tuple[str, ...]:
+    """The modules holding a ColwiseParallel q projection (not a fused one) whose k and v, where it
+    has them, are ColwiseParallel too, as globs over the layers: HEADS_PER_RANK. (A k / v the plan
+    replicates, kv heads fewer than tp, leaves the module out: its grouping would change.)"""
+    col = {m for m, d in ex.styles.items() if d["style"] == "ColwiseParallel"}
+    out: list[str] = []
+    for m in sorted(col - set(ex.fused)):
+        parent, _, leaf = m.rpartition(".")
+        if not parent or leaf not in ("q_proj", "query", "q"):
+            continue
+        kv = [f"{parent}.{k}" for k in ("k_proj", "v_proj", "key", "value", "k", "v")
+              if f"{parent}.{k}.weight" in ex.prog.tensors]
+        if all(k in col for k in kv):
+            out.append(_layer_glob(parent)[0])
+    return tuple(dict.fromkeys(out))
+
+
 def _layer_glob(path: str) -> tuple[str, str | None]:
     """(``a.layers.*.b``, ``"3"``) for a path with a number after its container, else (path, None)."""
     m = re.search(r"\.(\d+)(\.|$)", path)
@@ -673,6 +692,19 @@ _FUSED_FN = [
     "                    raise ValueError(f\"{name}: {attr} {getattr(owner, attr)} is not divisible by tp {tp}\")",
     "                setattr(owner, attr, getattr(owner, attr) // tp)",
     "            attention.config = conf"]
+_HEADS_FN = [
+    "", "", "def _heads_per_rank(model: torch.nn.Module, tp: int) -> None:",
+    "    \"\"\"Each HEADS_PER_RANK module's head counts (num_heads, num_key_value_heads: the attributes it has)",
+    "    divided by tp: ColwiseParallel gives the rank its own heads' q / k / v features.\"\"\"",
+    "    for name, attention in model.named_modules():",
+    "        if not any(fnmatch.fnmatchcase(name, g) for g in HEADS_PER_RANK):",
+    "            continue",
+    "        for attr in (\"num_heads\", \"num_key_value_heads\"):",
+    "            n = getattr(attention, attr, None)",
+    "            if isinstance(n, int) and not isinstance(n, bool):",
+    "                if n % tp:",
+    "                    raise ValueError(f\"{name}: {attr} {n} is not divisible by tp {tp}\")",
+    "                setattr(attention, attr, n // tp)"]
 _COLLECTIVES_DOC = [
     "#: The collectives the plan issues per training step over tp, as CommDebugMode counts them in the",
     "#: model's forward and backward (get_comm_counts / comm_module_counts): each of the plan's reshards is",
@@ -721,13 +753,16 @@ def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tu
 
 
 def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[str], dp: dict[str, Any] | None,
-                    pipe: dict[str, Any] | None, fused: bool = False, once: bool = False) -> list[str]:
+                    pipe: dict[str, Any] | None, fused: bool = False, once: bool = False,
+                    heads: bool = False) -> list[str]:
     lines = ["", "", "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
              "    \"\"\"Apply the plan to ``model`` on ``mesh`` (MESH_DIMS, MESH_SHAPE); returns the model.\"\"\""]
     if conv:
         lines.append("    _conv1d_as_linear(model)")
     if fused:
         lines.append("    _fused_per_rank(model, mesh[\"tp\"].size())  # before ColwiseParallel shards the fused weights")
+    if heads:
+        lines.append("    _heads_per_rank(model, mesh[\"tp\"].size())")
     if styles:
         use = (lambda n: f"_present(model, {n})") if pipe is not None else (lambda n: n)
         lines += ["    tp = mesh[\"tp\"]", f"    parallelize_module(model, tp, {use('TP_PLAN')})"]
@@ -751,7 +786,7 @@ def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe:
     (ExpertsTensorParallel, GradAllReduceColumns)."""
     lines = ["from __future__ import annotations", ""]
     std = [*(["import copy"] if ex.fused else []),
-           *(["import fnmatch"] if ex.conv1d or ex.fused or pipe is not None else []), *(["import types"] if experts else []),
+           *(["import fnmatch"] if ex.conv1d or ex.fused or ex.heads or pipe is not None else []), *(["import types"] if experts else []),
            *(["from typing import Any"] if pipe is not None or own else [])]
     lines += [*std, ""] if std else []
     lines += ["import torch", "from torch.distributed.device_mesh import DeviceMesh"]
@@ -815,6 +850,7 @@ def torch_source(plan: Plan, command: str = "",
                               f"PipelineStage does not send; not exported (drop sp or pp)")
         pipe = pipeline_doc(plan, pipeline[1], pipeline[2], frozenset(ex.styles))
         by_stage = stage_collectives(plan, pipeline[2], pipeline[1].microbatches, frozenset(ex.row_bias))
+    ex.heads = _heads_modules(ex)
     ordered = {p: ex.styles[p] for p in _model_order(ex, ex.styles)}
     styles, after = compress(ordered), compress(ex.after)
     dp = data_parallel(plan)
@@ -845,16 +881,22 @@ def torch_source(plan: Plan, command: str = "",
                   "#: that rank r's block is [q_r | k_r | v_r] (fused_order), its bias with them, and divides the",
                   "#: attention's split_size / num_heads by tp. Gradients come back in that order (fused_order maps them).",
                   f"FUSED_QKV = {fused!r}"]
+    if ex.heads:
+        lines += ["", "#: Attention modules that view their q / k / v outputs with head counts of their own (StableLM, OPT,",
+                  "#: GPT-Neo: .view(bsz, q_len, self.num_heads, head_dim)); ColwiseParallel gives each rank its heads'",
+                  "#: features, so _heads_per_rank divides those counts by tp before TP_PLAN.",
+                  f"HEADS_PER_RANK = {ex.heads!r}"]
     lines += ["", "#: tied parameters (parallelize_module gives each module its own; tied again after): name -> the one kept",
               f"TIED = {dict(sorted(doc['tied'].items()))!r}"]
     notes = _notes(doc["notes"])
     lines += ["", *notes] if notes else []
     lines += _CONV1D_FN if conv else []
     lines += _FUSED_FN if fused else []
+    lines += _HEADS_FN if ex.heads else []
     lines += PRESENT_FN if pipe is not None else []
     once = dp is None and any(d["style"] == "SequenceParallel" for d in [*styles.values(), *after.values()])
     lines += _GRADS_ONCE_FN if once else []
-    lines += _parallelize_fn(styles, after, conv, dp, pipe, bool(fused), once)
+    lines += _parallelize_fn(styles, after, conv, dp, pipe, bool(fused), once, bool(ex.heads))
     if pipe is not None:
         lines += [*pipeline_lines(pipe)[1:], ""]
     return "\n".join(lines)

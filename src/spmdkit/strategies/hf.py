@@ -226,6 +226,7 @@ def _shard_weights(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
         return None
 
     replicated: set[str] = set()  # column layers left whole (kv heads fewer than tp), with their bias
+    notes: list[tuple[str, str]] = []  # (module, what was done): warned of once per module of a layer
     parts = fused_parts(prog)
     for p, role in sorted(roles.items(), key=lambda kv: len(prog.tensors[kv[0]].shape) == 1):
         if p in parts:
@@ -264,8 +265,8 @@ def _shard_weights(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
             if heads is not None and heads < size and size % heads == 0 and user_role(p) is None \
                     and (mod.rsplit(".", 1)[-1] in KV_NAMES or p in kv):
                 # fewer kv heads than tp (GQA / MQA): replicated on every rank, as Megatron does
-                warnings.warn(f"--strategy megatron: {mod} makes {heads} heads, fewer than tp={size}: "
-                              f"replicated over tp (its gradients are all-reduced)", stacklevel=3)
+                notes.append((mod, f"makes {heads} heads, fewer than tp={size}: replicated over tp (its gradients "
+                                   f"are all-reduced)"))
                 replicated.add(mod)
                 sharded[p] = KV_REPLICATED
                 continue
@@ -275,6 +276,7 @@ def _shard_weights(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
                                    f"'replicate'}}, or a smaller tp)")
         dm(p)[axis] = tp
         sharded[p] = "vocab_head" if role == "vocab" and how == "linear" else role
+    warn_by_layers(notes)
     return sharded
 
 
@@ -291,6 +293,7 @@ def _shard_fused_parts(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
         if roles.get(part) != "column" or part in sharded or part not in prog.tensors:
             continue
         groups.setdefault(module_paths(prog, part)[0], ([], []))[len(prog.tensors[part].shape) == 1].append(part)
+    notes: list[tuple[str, str]] = []
     for mod, (wparts, bparts) in groups.items():
         feats: list[int] = []
         heads: list[int | None] = []
@@ -312,9 +315,8 @@ def _shard_fused_parts(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
                 h = f // head_dim
             bias = bparts[j] if j < len(bparts) else None
             if h is not None and h < size and size % h == 0 and (f < top or part in kv):
-                warnings.warn(f"--strategy megatron: {mod} part {j} ({f} of {sum(feats)} features) makes {h} "
-                              f"head{'s' if h > 1 else ''}, fewer than tp={size}: replicated over tp (its "
-                              f"gradients are all-reduced)", stacklevel=3)
+                notes.append((mod, f"part {j} ({f} of {sum(feats)} features) makes {h} head{'s' if h > 1 else ''}, "
+                                   f"fewer than tp={size}: replicated over tp (its gradients are all-reduced)"))
                 sharded[part] = KV_REPLICATED
                 continue
             if f % size:
@@ -327,6 +329,20 @@ def _shard_fused_parts(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
             sharded[part] = "column"
             if bias is not None:
                 dm(bias)[0] = tp
+    warn_by_layers(notes)
+
+
+def warn_by_layers(notes: list[tuple[str, str]]) -> None:
+    """One warning per module of a layer and what was done to it, not one per layer: the same
+    module of every layer (``model.layers.0.self_attn.k_proj`` ... ``model.layers.31...``) is
+    named once as ``model.layers.*.self_attn.k_proj (32 layers)`` (Llama-3-8B on tp=16 gave 64
+    lines); a module of one layer by its own name."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for mod, what in notes:
+        groups.setdefault((re.sub(r"\.\d+(?=\.|$)", ".*", mod), what), []).append(mod)
+    for (glob, what), mods in groups.items():
+        name = mods[0] if len(mods) == 1 else f"{glob} ({len(mods)} layers)"
+        warnings.warn(f"--strategy megatron: {name} {what}", stacklevel=4)
 
 
 def warn_replicated(prog: Program, sharded: Mapping[str, str], user_pats: list[tuple[str, str]]) -> None:
