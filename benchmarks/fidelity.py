@@ -825,6 +825,7 @@ def _command_key(argv: list[str]) -> tuple[str, ...]:
     return tuple(argv) + tuple(Path(a).read_text() for a in argv if a.endswith(".json") and Path(a).is_file())
 
 
+@gc_paused  # to its return, where the plans' JSON is dropped: the collector resumes on the few numbers kept
 def _planned(argv: list[str], argv2: list[str] | None) -> dict[str, Any]:
     """What :func:`predict` reads of the command's plan (and of its 2-layer twin's): a few
     numbers, kept by :func:`evaluate` for another run of the same command."""

@@ -614,3 +614,29 @@ def test_tiny_for_mesh_keeps_the_variant(model: str) -> None:
     for f in ("arch", "experts", "kv_lora_rank", "head_dim", "activation", "norm", "positions"):
         assert getattr(grown, f) == getattr(tiny, f), f
     assert grown.hdim == tiny.hdim and grown.heads % 8 == 0
+
+
+def test_the_keys_a_modeling_module_reads_are_scanned_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hf_checks reads a model's modeling module for the config keys it reads (``config.KEY``,
+    ``getattr(config, "KEY", ...)``) once a process: a second config check of the model (``--devices``
+    checks once a cp layout) does not read the module's source again."""
+    import importlib.util
+    import inspect
+    import sys
+
+    from spmdkit.models import hf_checks
+
+    path = tmp_path / "modeling_scan_once.py"
+    path.write_text("class M:\n    def __init__(self, config):\n        self.h = config.hidden_size\n"
+                    "        self.d = getattr(config, 'head_dim', 8)\n")
+    spec = importlib.util.spec_from_file_location("modeling_scan_once", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "modeling_scan_once", mod)
+    spec.loader.exec_module(mod)
+    reads: list[object] = []
+    real = inspect.getsource
+    monkeypatch.setattr(hf_checks.inspect, "getsource", lambda obj: reads.append(obj) or real(obj))
+    assert hf_checks._read_by_model(mod.M) == {"hidden_size", "head_dim"}
+    assert hf_checks._read_by_model(mod.M) == {"hidden_size", "head_dim"}
+    assert reads == [mod]

@@ -132,3 +132,27 @@ def test_plan_command_runs_with_the_collector_paused(case: str, capsys: pytest.C
     d = _plan_json(_CASES[case], capsys)
     assert seen == [False] and gc.isenabled()
     assert ("pipeline" in d) == (case == "mla pipeline")
+
+
+def test_a_command_lets_its_plans_go_when_it_returns(capsys: pytest.CaptureFixture[str]) -> None:
+    """``spmdkit.cli.main`` called in a long-lived process: the memos keyed by the ids of the plans
+    and programs a command made (the step's compute, the MoE scan: they hold the objects so that
+    the ids stay theirs) are emptied when it returns, so its plans are freed; the rule answers
+    (by value) are kept for the next command. Before, each command left its plan alive in
+    them, up to 16 whole plans (millions of containers each full collection walked)."""
+    from spmdkit.cost import moe, step_compute
+    from spmdkit.engine.registry import cache_stats
+    from spmdkit.program.plan import Plan
+
+    def plans() -> int:
+        gc.collect()
+        return sum(type(o) is Plan for o in gc.get_objects())
+
+    before = plans()
+    argv = ["plan", "--model-config", _MOE, "--mesh", "dp=2,tp=2", "--strategy", "megatron", "--device", "h100",
+            "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["step"]["step_overlap_s"] > 0
+    assert len(step_compute._LAST) == len(moe._MEMO) == len(moe._LOADS) == 0
+    assert plans() == before
+    assert cache_stats()["entries"] > 0

@@ -328,6 +328,17 @@ def test_report_averages_the_batch_shards_and_names_the_ranks_that_differ() -> N
     assert "256.0 MiB" in text
 
 
+def test_the_loss_tolerance_is_the_dtypes_and_the_launcher_imports_no_torch() -> None:
+    """The loss is compared within 2e-5 in float32 and within spmdkit run's tolerance of the dtype
+    (6e-2 bfloat16, 1e-2 float16: each rank and eager round their sums in it), figures the launcher
+    reads without importing torch (it does not import the ranks' check module for them)."""
+    code = ("import sys; from spmdkit.execute.torchrun import loss_rtol; "
+            "print(loss_rtol('float32'), loss_rtol('bfloat16'), loss_rtol('float16'), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")}).stdout.split()
+    assert out == ["2e-05", "0.06", "0.01", "False"]
+
+
 def test_expected_counts_per_stage_and_phase() -> None:
     from spmdkit.execute.torch_engine import expected_counts
 

@@ -20,6 +20,7 @@ from spmdkit.cli.models import add_models_command
 from spmdkit.cli.request import add_plan_arguments, add_run_arguments, plan_request, run_request
 from spmdkit.cli.verify import add_verify_command
 from spmdkit.core.errors import CaseFormatError, SpmdError
+from spmdkit.engine.memo import release_by_id
 from spmdkit.engine.registry import all_rules, set_cache_enabled
 from spmdkit.io.codec import answer_text, dumps, echo_id, encode_error, parse_case
 from spmdkit.outputs.tables import print_result_table, print_rules_table
@@ -217,4 +218,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpmdError as exc:
         print(f"spmdkit: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    finally:  # the command's plans are out of reach now: the memos by their ids let them go
+        release_by_id()
 

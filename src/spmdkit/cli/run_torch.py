@@ -24,12 +24,12 @@ from spmdkit.cli.request import HF_BATCH, HF_SEQ, RunRequest
 from spmdkit.core.dist_attr import entry_dims
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.execute.torchrun import (
-    LOSS_RTOL,
     TorchrunFailed,
     export_mesh,
     export_model_class,
     format_torch_report,
     launch_torchrun,
+    loss_rtol,
     torch_report,
 )
 from spmdkit.models.hf import dtype_name, load_config
@@ -177,9 +177,7 @@ def _run(req: RunRequest, out: TextIO) -> int:
         shutil.rmtree(folder, ignore_errors=True)
     title = (f"{m.hf} ({dtype}, batch {batch}, seq {seq}), {what}; {steps} step{'s' if steps != 1 else ''} of "
              f"{optimizer} (lr {lr:g})")
-    from spmdkit.execute.check import TOLERANCES  # torch: loaded by the run already
-
-    rep = torch_report(got, title, TOLERANCES[dtype] if dtype in ("bfloat16", "float16") else LOSS_RTOL)
+    rep = torch_report(got, title, loss_rtol(dtype))
     out.write((json.dumps(rep) if req.json else format_torch_report(rep)) + "\n")
     out.flush()
     return 0 if rep["ok"] else 1

@@ -188,7 +188,7 @@ class Fp8Layers:
 
 
 #: fp8_layers by program (id; the program kept in the value, so the id stays its own)
-_FP8_MEMO: Recent[tuple[Program, Fp8Layers]] = Recent(16)
+_FP8_MEMO: Recent[tuple[Program, Fp8Layers]] = Recent(16, by_id=True)
 
 
 def _operand(prog: Program, op: Any, params: tuple[str, ...], kind: str | None) -> str | None:
@@ -254,7 +254,7 @@ def fp8_weights(prog: Program) -> frozenset[str]:
 #: the roles of a float8 GEMM's operand that torchao casts before the TP all-gather, by phase
 _ROLES = {"forward": ("x", "input"), "backward": ("out_grad",)}
 
-_F8TP_MEMO: Recent[tuple[Plan, frozenset[str], dict[str, tuple[int, ...]]]] = Recent(16)
+_F8TP_MEMO: Recent[tuple[Plan, frozenset[str], dict[str, tuple[int, ...]]]] = Recent(16, by_id=True)
 
 
 def float8_tp_gathers(plan: Plan) -> frozenset[str]:
@@ -313,7 +313,7 @@ FP8_PRE_GATHER, FP8_AMAX = 5.0, 4.0
 
 
 #: fp8_gathered's answers by the plan's id (the value keeps the plan)
-_GATHERED_FP8: Recent[tuple[Plan, frozenset[str]]] = Recent(16)
+_GATHERED_FP8: Recent[tuple[Plan, frozenset[str]]] = Recent(16, by_id=True)
 
 
 def fp8_gathered(plan: Plan) -> frozenset[str]:
@@ -422,7 +422,7 @@ MAIN_GRAD_BYTES = 8.0
 ACCUMULATE_GRAD_READS_WRITES = 3
 
 #: _grads_sharded_at_producer's answers by the plan's id (the value keeps the plan)
-_SHARDED: Recent[tuple[Plan, frozenset[str]]] = Recent(16)
+_SHARDED: Recent[tuple[Plan, frozenset[str]]] = Recent(16, by_id=True)
 
 
 def _grads_sharded_at_producer(plan: Plan) -> frozenset[str]:

@@ -64,7 +64,7 @@ def float8_step(plan: Plan, tensor: str, s: Step) -> Step:
 #: bytes of a tensorwise amax all-reduced over tp (``tensor_to_amax`` of a DTensor: one fp32 scalar)
 AMAX_BYTES = 4.0
 
-_AMAX_MEMO: Recent[tuple[Plan, dict[int, float]]] = Recent(16)
+_AMAX_MEMO: Recent[tuple[Plan, dict[int, float]]] = Recent(16, by_id=True)
 
 
 def amax_all_reduces(plan: Plan) -> dict[int, float]:

@@ -97,7 +97,7 @@ class MoeLayer:
 
 
 #: _scan's answers by the program's id (the value keeps the program)
-_MEMO: Recent[tuple[Program, list[MoeLayer], dict[str, int]]] = Recent(16)
+_MEMO: Recent[tuple[Program, list[MoeLayer], dict[str, int]]] = Recent(16, by_id=True)
 
 
 def _scan(prog: Program) -> tuple[list[MoeLayer], dict[str, int]]:
@@ -380,7 +380,7 @@ def grouped(c: OpCost, lop: LocalOp, rows: ExpertRows | None = None, streams: in
 
 
 #: plan_loads' answers by the plan's id (the value keeps the plan)
-_LOADS: Recent[tuple[Plan, dict[str, float]]] = Recent(16)
+_LOADS: Recent[tuple[Plan, dict[str, float]]] = Recent(16, by_id=True)
 
 
 def plan_loads(plan: Plan) -> dict[str, float]:
@@ -389,7 +389,7 @@ def plan_loads(plan: Plan) -> dict[str, float]:
 
 
 #: plan_rows' answers by the plan's id (the value keeps the plan)
-_ROWS: Recent[tuple[Plan, list[ExpertRows]]] = Recent(16)
+_ROWS: Recent[tuple[Plan, list[ExpertRows]]] = Recent(16, by_id=True)
 
 
 def plan_rows(plan: Plan) -> list[ExpertRows]:

@@ -425,7 +425,7 @@ class OpComm:
 #: value holds its plan and device, so the ids in its key are not reused while it is kept. A copy
 #: re-costed under another runtime (``replace(plan, runtime=...)``, the search's pricing) shares
 #: its shardings with the plan it was made from, and is priced once with it
-_OC: Recent[tuple[Plan, Device, OpComm]] = Recent(32)
+_OC: Recent[tuple[Plan, Device, OpComm]] = Recent(32, by_id=True)
 
 
 def op_communication(plan: Plan, device: Device) -> OpComm:

@@ -39,7 +39,7 @@ class StepCompute:
 #: pipeline's stages time the same plan on the same device one after the other, and a search
 #: times a plan again after a few others (DeepSeek-V3's search at bf6b6e1: 858 computes of 572
 #: plans, 3-4 times each for 110 of them); a Plan is frozen and not changed once built
-_LAST: Recent[tuple[Plan, Device, StepCompute]] = Recent(8)
+_LAST: Recent[tuple[Plan, Device, StepCompute]] = Recent(8, by_id=True)
 
 
 def step_compute(plan: Plan, device: Device) -> StepCompute:

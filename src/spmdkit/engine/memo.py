@@ -42,6 +42,18 @@ def clear_memo() -> None:
         r.cache_clear()
 
 
+def release_by_id() -> None:
+    """Empty every :class:`Recent` keyed by object ids (``by_id``; those keyed by value, the memo
+    tables and the rule results are kept): called when a command returns (:func:`spmdkit.cli.main`), whose
+    plans and programs no caller can reach, so no later call can pass one of them again (a later
+    object's key is a later object's id). Their entries would otherwise keep up to ``limit``
+    whole plans alive in a long-lived process (a test session, a notebook, a loop over
+    commands): millions of containers the cyclic collector walks on every full pass."""
+    for r in list(_recents):
+        if r.by_id:
+            r.cache_clear()
+
+
 _MISS = object()
 
 
@@ -109,12 +121,15 @@ class Recent(Generic[_V]):
     :meth:`get` makes every value afresh and keeps none. A key of object ids is sound only while
     those objects live: keep them in the value (an entry is dropped whole)."""
 
-    __slots__ = ("__weakref__", "hits", "limit", "values")
+    __slots__ = ("__weakref__", "by_id", "hits", "limit", "values")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, by_id: bool = False) -> None:
         self.limit = limit
         self.values: OrderedDict[Any, _V] = OrderedDict()
         self.hits = 0
+        #: keyed by the ids of objects its values hold (a plan, a program): emptied by
+        #: :func:`release_by_id` when the objects a command made are out of every caller's reach
+        self.by_id = by_id
         _recents.add(self)
 
     def __len__(self) -> int:

@@ -18,6 +18,7 @@ import torch
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.execute.collectives import Collective
 from spmdkit.execute.single import as_dtype, call_fallback, run_torch, to_numpy, to_torch
+from spmdkit.execute.tolerances import TOLERANCES
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count
@@ -94,15 +95,7 @@ class Ran(Protocol):
     made: dict[str, TensorDistAttr]
 
 
-#: ``--kernels torch``: the largest error a tensor may have against its op run unsharded on the
-#: ranks' inputs with the same kernel and dtypes, as a fraction of its scale (the largest magnitude of the
-#: single-process value, at least :data:`FLOOR` of the largest of its kind: a gradient that is
-#: zero in exact arithmetic is rounding noise). Sharding changes the order of sums (a
-#: row-parallel matmul's partial products, a gradient's all-reduce), so two runs agree to the
-#: rounding of the dtype, compounded over the step: about 10x the largest error measured on the
-#: zoo's tiny models and the 12 tiny HF models (float32 3.1e-6, float16 2.2e-3; bfloat16 2x its
-#: 2.8e-2), docs/torch.md.
-TOLERANCES = {"float64": 1e-9, "float32": 3e-5, "float16": 1e-2, "bfloat16": 6e-2}
+#: (the largest error by dtype, :data:`spmdkit.execute.tolerances.TOLERANCES`, read by the torch-free launcher too)
 FLOOR = 1e-2
 
 

@@ -30,10 +30,21 @@ import tempfile
 import time
 from typing import Any
 
+from spmdkit.execute.tolerances import TOLERANCES
+
 #: the loss of a step equals torch eager's when |a - b| <= LOSS_RTOL * max(1, |b|) (float32; a bfloat16 /
 #: float16 model's rtol is spmdkit run's tolerance for a tensor of its dtype, ``check.TOLERANCES``: each
 #: rank and eager round their own sums in that dtype)
 LOSS_RTOL = 2e-5
+
+
+def loss_rtol(dtype: str) -> float:
+    """The relative tolerance of a step's loss against torch eager's for a model trained in ``dtype``:
+    :data:`LOSS_RTOL` (float32), :data:`~spmdkit.execute.tolerances.TOLERANCES`' own for bfloat16 and
+    float16 (each rank and eager round their own sums in it)."""
+    return TOLERANCES[dtype] if dtype in ("bfloat16", "float16") else LOSS_RTOL
+
+
 #: the worker torchrun runs
 WORKER = "spmdkit.execute.torch_engine"
 #: what a rank's peak memory is on CPU (the report says it in these words)
@@ -324,4 +335,4 @@ def format_torch_report(rep: dict[str, Any]) -> str:
 
 
 __all__ = ["LOSS_RTOL", "MEMORY_NOTE", "TorchrunFailed", "export_mesh", "export_model_class", "format_torch_report",
-           "launch_torchrun", "torch_report", "torchrun_command"]
+           "launch_torchrun", "loss_rtol", "torch_report", "torchrun_command"]

@@ -27,8 +27,10 @@ key, never a traceback from deep in transformers and never a silently different 
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import re
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, TypeGuard
@@ -110,16 +112,28 @@ def _init_defaults(cls: type) -> dict[str, Any]:
     return out
 
 
-def _read_by_model(model_cls: type | None) -> set[str]:
+def _read_by_model(model_cls: type | None) -> frozenset[str]:
     """The config keys the model's modeling module reads (``config.KEY``, ``getattr(config, "KEY"``):
     a key its config class does not declare still shapes the model there (Qwen3-MoE's ``head_dim``:
     ``getattr(config, "head_dim", hidden_size // num_attention_heads)`` in its attention)."""
     module = inspect.getmodule(model_cls) if model_cls is not None else None
+    if module is None:
+        return frozenset()
+    return _keys_read_by(module.__name__, getattr(module, "__file__", None))
+
+
+@functools.cache
+def _keys_read_by(name: str, path: str | None) -> frozenset[str]:
+    """:func:`_read_by_model` of the module ``name`` (its file ``path``), read and scanned once a
+    process (a module's source does not change within one; ``--devices`` checks the config once a
+    cp layout, each ``--hf`` import once a model)."""
+    module = sys.modules.get(name)
     try:
         src = inspect.getsource(module) if module is not None else ""
     except (OSError, TypeError):
-        return set()
-    return set(re.findall(r"\bconfig\.(\w+)", src)) | set(re.findall(r"getattr\(\s*(?:self\.)?config,\s*[\"'](\w+)", src))
+        return frozenset()
+    return frozenset(re.findall(r"\bconfig\.(\w+)", src)) \
+        | frozenset(re.findall(r"getattr\(\s*(?:self\.)?config,\s*[\"'](\w+)", src))
 
 
 def _read_from_kwargs(cfg_cls: type) -> set[str]:

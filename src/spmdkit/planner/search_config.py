@@ -189,7 +189,7 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
 
 #: a plan's pricing inputs by the plan priced (its modes and its full:K share them): (the plan,
 #: the runtime, the device, the plan under the runtime, one microbatch's step by mode)
-_PRICED: Recent[tuple[Plan, Runtime, Device, Plan, dict[str, StepEstimate]]] = Recent(4)
+_PRICED: Recent[tuple[Plan, Runtime, Device, Plan, dict[str, StepEstimate]]] = Recent(4, by_id=True)
 
 
 def _pricing(plan_in: Plan, job: _Job) -> tuple[Plan, OpComm, dict[str, StepEstimate]]:
