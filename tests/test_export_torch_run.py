@@ -59,6 +59,8 @@ def test_full_recompute_wraps_every_block_and_counts_its_collectives_again(
     mod, warned = _export(tmp_path, capsys, "--recompute", "full")
     assert (mod.RECOMPUTE, mod.RECOMPUTE_LAYERS, mod.PRECISION, mod.GRAD_ACCUM) == ("full", "all", None, 1)
     assert warned == ""
+    assert "Priced with: recompute full (applied: parallelize wraps every block in checkpoint_wrapper)" in \
+        " ".join(mod.__doc__.split())
     assert mod.PLAN_COLLECTIVES["forward"] == {"all_gather_into_tensor": 7, "reduce_scatter_tensor": 7}
     back = mod.PLAN_COLLECTIVES["backward"]
     assert (back["all_gather_into_tensor"], back["reduce_scatter_tensor"]) == (13, 13)
@@ -90,6 +92,8 @@ def test_what_the_file_does_not_apply_is_warned_in_one_line(tmp_path: Path, caps
     mod, warned = _export(tmp_path, capsys, "--recompute", "selective", "--precision", "fp8", "--grad-accum", "4")
     assert (mod.RECOMPUTE, mod.RECOMPUTE_LAYERS, mod.PRECISION, mod.GRAD_ACCUM) == ("selective", (), "fp8", 4)
     assert not hasattr(mod, "_checkpoint_layers")
+    assert "Priced with: recompute selective (not applied)" in " ".join(mod.__doc__.split())
+    assert "precision fp8 (PRECISION, not applied" in " ".join(mod.__doc__.split())
     assert len(warned.splitlines()) == 1
     assert warned.startswith("spmdkit plan: warning: --export torch: the file does not apply --recompute selective (")
     assert "--precision fp8 (" in warned and "convert_to_float8_training" in warned

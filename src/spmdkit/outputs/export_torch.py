@@ -86,6 +86,7 @@ from spmdkit.outputs.export_torch_run import (
     CHECKPOINT_IMPORT,
     checkpoint_fn,
     checkpointed_layers,
+    priced_doc,
     recomputed_collectives,
     run_constants,
 )
@@ -558,11 +559,13 @@ def dp_collectives(dp: dict[str, Any] | None, layers: int) -> dict[str, dict[str
     return {"forward": {"_allgather_base_": groups}, "backward": {**back, "_reduce_scatter_base_": groups}}
 
 
-def _header(plan: Plan, command: str, dims: tuple[str, ...], shape: tuple[int, ...]) -> list[str]:
+def _header(plan: Plan, command: str, dims: tuple[str, ...], shape: tuple[int, ...],
+            priced: list[str] | None = None) -> list[str]:
     where = " x ".join(f"{n}={s}" for n, s in zip(dims, shape))
     out = [f'"""The plan of {plan.program.name or "a model"} on mesh {where}, applied with torch\'s own parallel APIs.', ""]
     if command:
         out += ["Written by::", "", "    " + command, ""]
+    out += [*(priced or []), ""] if priced else []
     out += ["Use (every rank, under torchrun)::", "",
             "    mesh = init_device_mesh(\"cuda\", MESH_SHAPE, mesh_dim_names=MESH_DIMS)",
             "    model = parallelize(model, mesh)",
@@ -846,7 +849,7 @@ def torch_source(plan: Plan, command: str = "",
     used = sorted({d["style"] for d in [*styles.values(), *after.values()]} - {STYLE, MLA_STYLE})
     experts = any(d["style"] == STYLE for d in styles.values())
     mla = any(d["style"] == MLA_STYLE for d in styles.values())
-    lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe, experts, experts or mla),
+    lines = [*_header(plan, command, dims, shape, priced_doc(plan, recompute, ckpt)), *_imports(ex, dp, used, pipe, experts, experts or mla),
              *([CHECKPOINT_IMPORT] if ckpt else []),
              *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage, frozenset(ex.row_bias),
                          frozenset(ex.scaled_lookups), ckpt), *run_constants(plan, recompute, ckpt)]

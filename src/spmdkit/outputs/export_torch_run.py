@@ -19,6 +19,7 @@ there in ``PLAN_COLLECTIVES`` (:func:`recomputed_collectives`).
 from __future__ import annotations
 
 import sys
+import textwrap
 from collections import Counter
 
 from spmdkit.cost.memory import recompute_every, recompute_layers
@@ -83,6 +84,18 @@ def run_constants(plan: Plan, mode: str, layers: str | tuple[str, ...]) -> list[
             f"PRECISION = {plan.runtime.precision!r}", f"GRAD_ACCUM = {plan.grad_accum!r}", ""]
 
 
+def priced_doc(plan: Plan, mode: str, layers: str | tuple[str, ...]) -> list[str]:
+    """The file docstring's paragraph on what the plan priced beyond its shardings."""
+    ckpt = ("applied: parallelize wraps every block in checkpoint_wrapper" if layers == "all" else
+            f"applied: parallelize wraps {', '.join(layers)} in checkpoint_wrapper" if layers else "not applied")
+    rc = "none" if mode == "none" else f"{mode} ({ckpt})"
+    precision = plan.runtime.precision or "the model's own dtype"
+    return textwrap.wrap(f"Priced with: recompute {rc} (RECOMPUTE, RECOMPUTE_LAYERS); precision {precision} "
+                         f"(PRECISION{', not applied: convert the linears to float8 yourself' if precision == 'fp8' else ''}); "
+                         f"{plan.grad_accum} micro-step{'s' if plan.grad_accum > 1 else ''} per optimizer step "
+                         f"(GRAD_ACCUM{': the training loop runs them' if plan.grad_accum > 1 else ''}).", 100)
+
+
 def checkpoint_fn(container: str) -> list[str]:
     """The file's ``_checkpoint_layers(model)``."""
     return [
@@ -125,5 +138,5 @@ def note(plan: Plan, mode: str, pipelined: bool, command: str) -> None:
         print(f"spmdkit {command}: warning: {line}", file=sys.stderr)
 
 
-__all__ = ["CHECKPOINT_IMPORT", "checkpoint_fn", "checkpointed_layers", "not_applied", "note",
+__all__ = ["CHECKPOINT_IMPORT", "checkpoint_fn", "checkpointed_layers", "not_applied", "note", "priced_doc",
            "recomputed_collectives", "run_constants", "whole_layer"]
