@@ -581,7 +581,10 @@ GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp
               "deepseek_v3-megatron": ("DeepseekV3ForCausalLM", DSV3, "megatron"),
               "qwen2_moe-megatron,sp": ("Qwen2MoeForCausalLM", QWEN2MOE, "megatron,sp"),
               "stablelm-megatron,sp": ("StableLmForCausalLM", STABLELM, "megatron,sp"),
-              "opt-megatron": ("OPTForCausalLM", OPT, "megatron")}
+              "opt-megatron": ("OPTForCausalLM", OPT, "megatron"),
+              "llama-megatron,sp+recompute-full": ("LlamaForCausalLM", LLAMA, "megatron,sp")}
+#: the cases exported with a --recompute (export_torch's recompute): whole blocks in checkpoint_wrapper
+GLOO_RECOMPUTE = {"llama-megatron,sp+recompute-full": "full"}
 
 
 @pytest.fixture()
@@ -595,7 +598,7 @@ def gloo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, 
         folder = tmp_path_factory.mktemp(key.replace(",", "_"))
         plan = _plan(cls, cfg, "dp=2,tp=2", strategy)
         assert plan.mesh.size == 4
-        export_torch(plan, str(folder / "plan.py"))
+        export_torch(plan, str(folder / "plan.py"), recompute=GLOO_RECOMPUTE.get(key, "none"))
         cases.append((str(folder), cls, cfg))
         folders[str(folder)] = key
     q = mp.get_context("spawn").SimpleQueue()

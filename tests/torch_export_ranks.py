@@ -136,6 +136,7 @@ def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any],
         worst, where = 0.0, ""
         for name, p in model.named_parameters():
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            name = name.replace("._checkpoint_wrapped_module", "")  # a block in checkpoint_wrapper (RECOMPUTE_LAYERS)
             want = refp[name].grad
             swapped = getattr(plan, "CONV1D_AS_LINEAR", ())
             if name.endswith(".weight") and any(fnmatch.fnmatchcase(name[:-7], c) for c in swapped):

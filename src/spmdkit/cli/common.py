@@ -27,6 +27,7 @@ from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, load
 from spmdkit.models.zoo import ModelConfig, preset
 from spmdkit.outputs.export import export_plan
 from spmdkit.outputs.export_torch import export_torch
+from spmdkit.outputs.export_torch_run import note as torch_export_note
 from spmdkit.outputs.html import save_html
 from spmdkit.planner.auto import AutoInfo
 from spmdkit.planner.ep_overlap import apply_flat_overlap, check_ep_comm_overlap
@@ -165,12 +166,15 @@ def write_html(req: PlanRequest, plan: Plan, title: str, mem: Memory, est: StepE
     print(f"spmdkit plan: wrote {path} ({size / 1024:.0f} KiB)", file=sys.stderr)
 
 
-def export_plan_file(req: PlanRequest, plan: Plan) -> None:
-    """``--export FORMAT FILE``: the plan's shardings for another framework (:mod:`spmdkit.outputs.export`)."""
+def export_plan_file(req: PlanRequest, plan: Plan, recompute: str = "none") -> None:
+    """``--export FORMAT FILE``: the plan's shardings for another framework (:mod:`spmdkit.outputs.export`);
+    ``torch``: with ``recompute`` (the plan's ``--recompute``), and a warning line naming what the file
+    does not apply (:func:`spmdkit.outputs.export_torch_run.not_applied`)."""
     if req.outputs.export:
         fmt, path = req.outputs.export
         if fmt == "torch":
-            export_torch(plan, path, shlex.join(["spmdkit", *req.argv]) if req.argv else "")
+            export_torch(plan, path, shlex.join(["spmdkit", *req.argv]) if req.argv else "", recompute=recompute)
+            torch_export_note(plan, recompute, False, "plan")
         else:
             export_plan(plan, fmt, path)
 

@@ -28,6 +28,7 @@ from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.models.source import load
 from spmdkit.models.zoo import model_label, preset
 from spmdkit.outputs.export_torch import export_torch
+from spmdkit.outputs.export_torch_run import note as torch_export_note
 from spmdkit.outputs.pipeline import bubble_line, write_pipeline
 from spmdkit.outputs.progress import Progress
 from spmdkit.outputs.recipe import check_recipe_target, recipe, recipe_warning, write_recipe
@@ -295,9 +296,10 @@ def _write_files(req: PlanRequest, res: SearchResult, best: Candidate, title: st
             raise ProgramError(f"--export {kind}: the best configuration ({best.config.label()}) is a pipeline (pp) "
                                "plan, which --export torch writes (its stages), not this format")
         export_torch(best.plan, path, shlex.join(["spmdkit", *req.argv]) if req.argv else "",
-                     (parse_mesh(best.config.mesh_text), est.spec, est.counts))
+                     (parse_mesh(best.config.mesh_text), est.spec, est.counts), best.config.recompute)
+        torch_export_note(best.plan, best.config.recompute, True, "plan")
     else:
-        export_plan_file(req, best.plan)
+        export_plan_file(req, best.plan, best.config.recompute)
     others = [(c.config.label(), c.plan, c.memory) for c in res.fitting[1:]  # planned whole (a folded: a copy's plan)
               if c.plan is not None and c.config.pp == 1 and not c.folded][:MAX_ALTERNATIVES]
     if isinstance(est, PipelineEstimate):  # a pp configuration: its one microbatch on the device (as plan --mesh pp)

@@ -32,6 +32,7 @@ from spmdkit.cost.memory import check_recompute, per_microbatch_mode
 from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile
 from spmdkit.models.zoo import model_label
 from spmdkit.outputs.export_torch import export_torch
+from spmdkit.outputs.export_torch_run import note as torch_export_note
 from spmdkit.outputs.pipeline import bubble_line, write_pipeline
 from spmdkit.outputs.report import explain_table, plan_json, write_report
 from spmdkit.planner.auto.stage import StageSearch, auto_title
@@ -92,7 +93,8 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     if req.outputs.export:  # --export torch (cli/plan.py refuses the others)
         counts = got.counts or auto_counts(got.plan, spec.pp * spec.virtual)
         export_torch(got.plan, req.outputs.export[1], shlex.join(["spmdkit", *req.argv]) if req.argv else "",
-                     (full, spec, counts))
+                     (full, spec, counts), recompute)
+        torch_export_note(plan, recompute, True, "plan")
     verdict = None
     if req.verify:
         require_simulator()

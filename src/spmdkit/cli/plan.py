@@ -175,7 +175,7 @@ def _run_plan(req: PlanRequest, out: TextIO) -> int:
     recompute = block_recompute(plan.program, recompute)  # full:K / every:N: the model's first K / every N-th layers
     plan, est = step_estimate(req.links, plan, config, recompute)
     mem = memory_per_device(plan, recompute)
-    export_plan_file(req, plan)
+    export_plan_file(req, plan, recompute)
     verdict = None
     if req.verify:  # a preset's, or an HF model's at a tiny config (refused for --program above)
         require_simulator()
@@ -291,7 +291,7 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
     plan, est = step_estimate(req.links, plan, config, recompute)
     mem = memory_per_device(plan, recompute)
     write_html(req, plan, title, mem, est, config, recompute=recompute, auto=info)
-    export_plan_file(req, plan)
+    export_plan_file(req, plan, recompute)
     verdict = None
     if req.verify:
         require_simulator()

@@ -9,7 +9,10 @@ wrapping (``fully_shard`` per layer and at the root for ZeRO-3, with
 ``reshard_after_forward=False`` for ZeRO-1/2, FSDP2's ``replicate`` for plain dp), whether the loss
 runs under ``loss_parallel()`` (``LOSS_PARALLEL``), the pipeline (``PIPELINE`` and
 ``pipeline_stage``), and the collectives the plan issues per step in the terms ``CommDebugMode``
-counts (``PLAN_COLLECTIVES``). ``parallelize(model, mesh)`` applies it all and returns the model.
+counts (``PLAN_COLLECTIVES``), and what the plan priced beyond its shardings (``RECOMPUTE``,
+``RECOMPUTE_LAYERS``, ``PRECISION``, ``GRAD_ACCUM``: whole-layer recomputation applied with torch's
+``checkpoint_wrapper`` as torchtitan's full AC, the rest warned of; :mod:`spmdkit.outputs.export_torch_run`).
+``parallelize(model, mesh)`` applies it all and returns the model.
 
 The styles come from the plan, as the ``dtensor`` export derives them
 (:class:`spmdkit.outputs.export._DTensorExport`), with what that export refuses resolved:
@@ -78,6 +81,14 @@ from spmdkit.outputs.export_torch_pp import (
     pipeline_imports,
     pipeline_lines,
     stage_collectives,
+)
+from spmdkit.outputs.export_torch_run import (
+    CHECKPOINT_IMPORT,
+    checkpoint_fn,
+    checkpointed_layers,
+    priced_doc,
+    recomputed_collectives,
+    run_constants,
 )
 from spmdkit.planner.pipeline_split import PipelineSpec
 from spmdkit.program.ir import Op
@@ -567,11 +578,13 @@ def dp_collectives(dp: dict[str, Any] | None, layers: int) -> dict[str, dict[str
     return {"forward": {"_allgather_base_": groups}, "backward": {**back, "_reduce_scatter_base_": groups}}
 
 
-def _header(plan: Plan, command: str, dims: tuple[str, ...], shape: tuple[int, ...]) -> list[str]:
+def _header(plan: Plan, command: str, dims: tuple[str, ...], shape: tuple[int, ...],
+            priced: list[str] | None = None) -> list[str]:
     where = " x ".join(f"{n}={s}" for n, s in zip(dims, shape))
     out = [f'"""The plan of {plan.program.name or "a model"} on mesh {where}, applied with torch\'s own parallel APIs.', ""]
     if command:
         out += ["Written by::", "", "    " + command, ""]
+    out += [*(priced or []), ""] if priced else []
     out += ["Use (every rank, under torchrun)::", "",
             "    mesh = init_device_mesh(\"cuda\", MESH_SHAPE, mesh_dim_names=MESH_DIMS)",
             "    model = parallelize(model, mesh)",
@@ -713,6 +726,9 @@ _COLLECTIVES_DOC = [
     "#: in its gradient sync (a norm weight under sequence parallel) DTensor reduces in the backward. The loss",
     "#: under loss_parallel() runs its own 3 all-reduces outside the model (max, sum of exponentials, the",
     "#: label's logit); the plan counts them inside its vocab-parallel cross entropy, not here."]
+_RECOMPUTE_DOC = [
+    "#: Counted as torch runs it: the blocks RECOMPUTE_LAYERS checkpoints run their forward again in the backward,",
+    "#: and with it the forward collectives over tp made and read inside them (counted again in \"backward\")."]
 _SCALED_DOC = [
     "#: Counted as torch runs it: a vocab-parallel embedding that scales its lookup inside its own forward",
     "#: (Gemma's embed_scale, a 0-d tensor) has DTensor all-reduce its partial output there (a partial sum",
@@ -733,13 +749,18 @@ _ZERO = {0: "plain data parallel: FSDP2's replicate (DDP), gradients all-reduced
 def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tuple[int, ...],
                dp: dict[str, Any] | None, n_layers: int, pipe: dict[str, Any] | None,
                by_stage: list[Any] | None, local: frozenset[str] = frozenset(),
-               scaled: frozenset[str] = frozenset()) -> list[str]:
+               scaled: frozenset[str] = frozenset(), ckpt: str | tuple[str, ...] = ()) -> list[str]:
     lines = ["", "#: the HF class the plan is of (spmdkit run --engine torch --torch-plan refuses another --hf)",
              f"MODEL_CLASS = {plan.program.name or None!r}",
              f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}", f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}"]
     if pipe is None:
+        counts = tp_collectives(plan, local, scaled)
+        again = recomputed_collectives(plan, ckpt, counts.get("forward", {}), FUNCOL)
+        if again:
+            counts["backward"] = dict(sorted((Counter(counts["backward"]) + Counter(again)).items()))
         lines += ["PIPELINE = None", "", *_COLLECTIVES_DOC, *(_ROW_BIAS_DOC if local else []),
-                  *(_SCALED_DOC if scaled else []), f"PLAN_COLLECTIVES = {tp_collectives(plan, local, scaled)!r}", ""]
+                  *(_SCALED_DOC if scaled else []), *(_RECOMPUTE_DOC if again else []),
+                  f"PLAN_COLLECTIVES = {counts!r}", ""]
     else:
         lines += pipeline_constants(pipe, by_stage, _COLLECTIVES_DOC)
     if dp is None:
@@ -754,7 +775,7 @@ def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tu
 
 def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[str], dp: dict[str, Any] | None,
                     pipe: dict[str, Any] | None, fused: bool = False, once: bool = False,
-                    heads: bool = False) -> list[str]:
+                    heads: bool = False, checkpoint: bool = False) -> list[str]:
     lines = ["", "", "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
              "    \"\"\"Apply the plan to ``model`` on ``mesh`` (MESH_DIMS, MESH_SHAPE); returns the model.\"\"\""]
     if conv:
@@ -775,6 +796,8 @@ def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[st
                      "            continue  # a pipeline stage holding one of them: its own copy (PIPELINE[\"tied\"])"]
                     if pipe is not None else []),
                   "        setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(src), src_leaf))"]
+    if checkpoint:  # after the styles, before the data-parallel wrapping (torchtitan's order)
+        lines.append("    _checkpoint_layers(model)")
     if once:
         lines.append("    _reduce_partial_grads_once(model)")
     return [*lines, *_dp_lines(dp, pipe), "    return model", ""]
@@ -826,10 +849,11 @@ def _cp_refusal(cp: dict[str, Any]) -> str:
 
 
 def torch_source(plan: Plan, command: str = "",
-                 pipeline: tuple[Any, PipelineSpec, tuple[int, ...]] | None = None) -> str:
+                 pipeline: tuple[Any, PipelineSpec, tuple[int, ...]] | None = None, recompute: str = "none") -> str:
     """The ``torch`` export of ``plan``: the text of a Python module (module docstring).
     ``pipeline``: (the full mesh with its pp dim, the spec, the layers per stage) of a pipeline
-    plan, ``plan`` then the plan of one microbatch on the sub-mesh without pp."""
+    plan, ``plan`` then the plan of one microbatch on the sub-mesh without pp. ``recompute``: the
+    plan's ``--recompute`` (:mod:`spmdkit.outputs.export_torch_run`: stated, whole layers applied)."""
     cp = context_parallel_doc(plan)
     if cp is not None:
         raise ExportError(_cp_refusal(cp))
@@ -856,12 +880,14 @@ def torch_source(plan: Plan, command: str = "",
     dp = data_parallel(plan)
     container = layers_container(plan)
     n_layers = len(layer_tags(plan.program)) if container else 0
+    ckpt = checkpointed_layers(plan, recompute, pipeline is not None) if container else ()
     used = sorted({d["style"] for d in [*styles.values(), *after.values()]} - {STYLE, MLA_STYLE})
     experts = any(d["style"] == STYLE for d in styles.values())
     mla = any(d["style"] == MLA_STYLE for d in styles.values())
-    lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe, experts, experts or mla),
+    lines = [*_header(plan, command, dims, shape, priced_doc(plan, recompute, ckpt)), *_imports(ex, dp, used, pipe, experts, experts or mla),
+             *([CHECKPOINT_IMPORT] if ckpt else []),
              *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage, frozenset(ex.row_bias),
-                         frozenset(ex.scaled_lookups))]
+                         frozenset(ex.scaled_lookups), ckpt), *run_constants(plan, recompute, ckpt)]
     lines += [*STYLE_SOURCE.split("\n")[1:], "", ""] if experts else []
     lines += [*MLA_SOURCE.split("\n")[1:], "", ""] if mla else []
     lines += _plan_py("TP_PLAN", styles, "module path -> its style over mesh[\"tp\"] (parallelize_module; * is any layer)")
@@ -896,18 +922,19 @@ def torch_source(plan: Plan, command: str = "",
     lines += PRESENT_FN if pipe is not None else []
     once = dp is None and any(d["style"] == "SequenceParallel" for d in [*styles.values(), *after.values()])
     lines += _GRADS_ONCE_FN if once else []
-    lines += _parallelize_fn(styles, after, conv, dp, pipe, bool(fused), once, bool(ex.heads))
+    lines += checkpoint_fn(container) if ckpt and container else []
+    lines += _parallelize_fn(styles, after, conv, dp, pipe, bool(fused), once, bool(ex.heads), bool(ckpt))
     if pipe is not None:
         lines += [*pipeline_lines(pipe)[1:], ""]
     return "\n".join(lines)
 
 
 def export_torch(plan: Plan, path: str, command: str = "",
-                 pipeline: tuple[Any, PipelineSpec, tuple[int, ...]] | None = None) -> str:
+                 pipeline: tuple[Any, PipelineSpec, tuple[int, ...]] | None = None, recompute: str = "none") -> str:
     """Write the ``torch`` export of ``plan`` to ``path`` (atomically) and return its text
     (:func:`torch_source`)."""
     check_target("torch", path)
-    text = torch_source(plan, command, pipeline)
+    text = torch_source(plan, command, pipeline, recompute)
     write_atomic_text(text, path, "--export torch")
     return text
 
