@@ -43,6 +43,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.cost.memory import recompute_every, recompute_layers
 from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.planner.pipeline import PipelineEstimate
+from spmdkit.planner.pipeline_split import megatron_layout
 from spmdkit.planner.search_config import Candidate
 from spmdkit.strategies.strategy import zero_stage
 
@@ -201,19 +202,9 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
 
 
 def _megatron_layout(r: dict[str, Any]) -> str | None:
-    """Megatron-Core's ``--pipeline-model-parallel-layout`` for a split its default would not make
-    (None for an even one): Megatron-LM asserts the layers divisible by the pipeline size unless a
-    layout or first / last stage sizes are given (d98e8a64dd megatron/training/arguments.py,
-    'Number of layers should be divisible by the pipeline-model-parallel size'). Its stages in
-    virtual-stage order (``vpp_rank x pp + pp_rank``, as the planner counts them), ``|`` between
-    them, ``E`` the embedding on the first, ``L`` the loss on the last, ``t`` a layer
-    (megatron/core/transformer/pipeline_parallel_layer_layout.py ``parse_str_to_list``)."""
-    counts = r.get("layers_per_stage")
-    if not counts or len(set(counts)) == 1:
-        return None
-    last = len(counts) - 1
-    return "|".join(("E" if i == 0 else "") + (f"t*{n}" if n > 1 else "t" * n) + ("L" if i == last else "")
-                    for i, n in enumerate(counts))
+    """Megatron-Core's ``--pipeline-model-parallel-layout`` for the recipe's split
+    (:func:`spmdkit.planner.pipeline_split.megatron_layout`; None for an even one)."""
+    return megatron_layout(r.get("layers_per_stage") or [])
 
 
 def megatron_args(r: dict[str, Any]) -> str:
