@@ -116,6 +116,16 @@ def test_batch_from_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_batch_missing_file_is_an_io_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run(["infer", "--batch", "--input", str(tmp_path / "nope.jsonl")], capsys)
     assert rc == 1 and out == "" and "nope.jsonl" in err
+    # it named no flag ("spmdkit: [Errno 2] ..."): now --input, the path and why
+    assert err.strip() == f"spmdkit infer: --input {str(tmp_path / 'nope.jsonl')!r}: cannot read it: No such file or directory"
+
+
+def test_a_null_mode_is_said_to_be_null(capsys: pytest.CaptureFixture[str]) -> None:
+    """"mode": null read as the mode 'None' ("unknown mode 'None'"): the record names the key and null."""
+    rc, out, _ = run(["infer", "--json", json.dumps({**CASE, "mode": None})], capsys)
+    r = json.loads(out)
+    assert rc == 1 and r["error"] == "UnsupportedModeError" and r["id"] == "c1"
+    assert r["message"] == "transpose: mode is null: 'forward' or 'backward' (or no 'mode' key: forward)"
 
 
 def test_answer_line_never_raises() -> None:

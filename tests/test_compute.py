@@ -322,6 +322,23 @@ def _run(*argv: str) -> tuple[int, str]:
     return cli_stdout(*argv)
 
 
+def test_the_device_line_shows_the_calibrated_collectives(tmp_path: Path) -> None:
+    """A calibrated device file: the collectives in a node run at the measured points
+    (collectives.collective_time) and memory-bound ops at the measured HBM (Device.hbm_rate); the
+    Device line showed the preset's 450 GB/s and 3350 GB/s alone."""
+    f = tmp_path / "dev.json"
+    f.write_text(json.dumps({"base": "h100", "name": "H100 (calibrated)", "measured": {
+        "source": "test", "hbm_gb_per_s": 2900.0, "collectives": [
+            {"op": "all_reduce", "ranks": 2, "scope": "intra_node", "bytes": 1 << 20, "time_us": 30.0},
+            {"op": "all_reduce", "ranks": 2, "scope": "intra_node", "bytes": 1 << 28, "time_us": 1500.0}]}}))
+    rc, out = _run("plan", "--model", "tiny-llama", "--mesh", "dp=2", "--strategy", "dp", "--device", str(f))
+    assert rc == 0
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("Device:")]
+    assert line.endswith("HBM 3350 GB/s (2900 GB/s measured, which the memory-bound ops run at), 8 ranks per node "
+                         "(in a node all_reduce as measured (2 points), other ops 450 GB/s per GPU; across nodes "
+                         "50 GB/s per GPU)"), line
+
+
 def test_cli_plan_device_text_and_json() -> None:
     rc, out = _run("plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--device", "h100", "--nodes-of", "2")
     assert rc == 0

@@ -449,6 +449,19 @@ def test_fewer_kv_heads_than_tp_is_a_warning_line(capsys: pytest.CaptureFixture[
         "and the k / v projections are all-gathered before attention (Megatron-Core needs tp to divide the kv heads)"]
 
 
+def test_a_devices_searchs_warning_names_the_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    """--devices, not --mesh: the note of the configuration with tp=4 (tiny-llama's 2 kv heads) names
+    it; it said '--mesh tp=4', a flag the user did not give."""
+    rc = main(["plan", "--model", "tiny-llama", "--devices", "4", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err[-2000:]
+    notes = [ln for ln in cap.err.splitlines() if "warning:" in ln]
+    assert notes == [
+        "spmdkit plan: warning: configuration dp=1,tp=4: the model's 2 kv heads are fewer than tp=4: each is split "
+        "over 2 ranks and the k / v projections are all-gathered before attention (Megatron-Core needs tp to divide "
+        "the kv heads)"], notes
+
+
 def test_devices_never_proposes_an_uneven_tp(capsys: pytest.CaptureFixture[str]) -> None:
     """12 attention heads in 4 kv groups on 12 devices: tp 3 and 6 divide the heads but split
     the kv heads unevenly; they are refused before planning, naming the count, and every

@@ -260,6 +260,9 @@ def test_models_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
     assert "671.03B + 11.61B MTP" in out and "37.55B + 0.69B MTP" in out and "682.64B" not in out
     assert main(["models", "nosuchmodel"]) == 2
     assert "no catalog model matches 'nosuchmodel'" in capsys.readouterr().err
+    # a preset: --model takes it, the catalog does not list it (it said only "no catalog model matches")
+    assert main(["models", "tiny-llama"]) == 2
+    assert "; tiny-llama is a preset, which --model takes but this catalog" in capsys.readouterr().err
 
 
 def test_llama_405b_plans_on_1024_ranks_in_16_uneven_stages(capsys: pytest.CaptureFixture[str]) -> None:

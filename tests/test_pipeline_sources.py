@@ -326,3 +326,18 @@ def test_verify_with_pp_names_what_it_checks(capsys: pytest.CaptureFixture[str],
     rc, out, err = _run(["plan", "--program", str(f), "--mesh", "pp=2,dp=2", "--verify"], capsys)
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "--verify: simulates a preset, catalog or --hf model; it does not apply to --program" in err
+
+
+@pytest.mark.parametrize("framework", ["megatron", "torchtitan"])
+def test_an_uneven_split_under_megatron_names_its_layout(capsys: pytest.CaptureFixture[str], framework: str) -> None:
+    """3 layers on pp=2: Megatron-LM refuses layers its stages do not divide unless given a layout
+    (d98e8a64dd megatron/training/arguments.py); the note said the split alone. torchtitan takes
+    any split (its split points): no such words."""
+    rc, out, err = _run(["plan", "--model", "tiny-llama", "--layers", "3", "--mesh", "pp=2", "--microbatches", "2",
+                         "--strategy", "dp", "--framework", framework], capsys)
+    assert rc == 0, err
+    first = out.splitlines()[0]
+    assert first.startswith("note: 3 layers do not divide evenly into 2 stages: split 2,1 ")
+    layout = "; Megatron-LM refuses layers its stages do not divide unless given the split: " \
+             "--pipeline-model-parallel-layout 'Et*2|tL'"
+    assert first.endswith(layout) == (framework == "megatron"), first

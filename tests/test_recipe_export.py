@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from spmdkit.cli import main
-from spmdkit.outputs.recipe import megatron_args, recipe, torchtitan_toml
+from spmdkit.outputs.recipe import megatron_args, recipe, recipe_warning, torchtitan_toml
 from spmdkit.planner.search import Config, config_candidates
 
 
@@ -42,7 +42,7 @@ def test_torchtitan_toml_from_the_search(tmp_path: Path) -> None:
     assert par["tensor_parallel_degree"] == r["tp"] and par["pipeline_parallel_degree"] == r["pp"]
     assert par["data_parallel_shard_degree"] == r["dp"] and par["data_parallel_replicate_degree"] == 1  # FSDP
     assert par["context_parallel_degree"] == 1 and par["expert_parallel_degree"] == 1
-    assert doc["training"] == {"global_batch_size": 64, "seq_len": 512,
+    assert doc["training"] == {"global_batch_size": 64, "seq_len": 512, "mixed_precision_param": "bfloat16",
                                "local_batch_size": 2 * (r["microbatches"] if r["pp"] > 1 else 1)}
     assert doc["activation_checkpoint"] == {"mode": "full"}
     assert r["micro_batch"] == 2 and (r["grad_accum"] or r["microbatches"]) == 64 // (2 * r["dp"])
@@ -197,3 +197,26 @@ def test_megatron_arguments_state_an_uneven_split_as_a_layout() -> None:
                 if x.config.recompute == "none")
     r = recipe(even, "llama3-8b", 8, 256, 4)
     assert r["layers_per_stage"] == [2, 2] and "--pipeline-model-parallel-layout" not in megatron_args(r)
+
+
+def test_torchtitan_toml_states_the_precision_and_the_split() -> None:
+    """torchtitan 820504e trains in the dtype FSDP casts to (Training.mixed_precision_param) and splits
+    a pipeline by its own rule unless given pipeline_parallel_split_points (generate_split_points: the
+    embedding and the head a layer each, 8 effective layers on pp=4 as 2 each: layers.1, layers.3,
+    layers.5); the plan priced 6 layers as 1, 1, 3, 1, which begin at layers.1, layers.2, layers.5."""
+    c = next(x for x in config_candidates("llama3-8b", Config(1, 1, 4, "dp", microbatches=4),
+                                          overrides={"layers": 6, "batch": 4, "seq": 256})
+             if x.config.recompute == "none")
+    r = recipe(c, "llama3-8b", 4, 256, 6)
+    doc = tomllib.loads(torchtitan_toml(r))
+    assert doc["parallelism"]["pipeline_parallel_split_points"] == ["layers.1", "layers.2", "layers.5"]
+    assert doc["training"]["mixed_precision_param"] == "bfloat16"
+    # no FSDP (dp = 1 here): torchtitan applies mixed_precision_param only as FSDP's param_dtype
+    assert "trains in float32" in (recipe_warning("torchtitan", r) or "")
+    fp32 = next(x for x in config_candidates("tiny-llama", Config(2, 1, 1, "dp,zero3"),
+                                             overrides={"layers": 2, "batch": 4, "seq": 64})
+                if x.config.recompute == "none")
+    r = recipe(fp32, "tiny-llama", 4, 64, 2)
+    doc = tomllib.loads(torchtitan_toml(r))
+    assert doc["training"]["mixed_precision_param"] == "float32" and recipe_warning("torchtitan", r) is None
+    assert "pipeline_parallel_split_points" not in doc["parallelism"]

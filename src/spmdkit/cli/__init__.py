@@ -61,7 +61,12 @@ def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
     if ns.batch:
         too_long = dumps(encode_error(CaseFormatError(f"line is longer than {MAX_LINE_BYTES} bytes")))
         if ns.input:
-            src: Any = open(ns.input, "rb")
+            try:
+                src: Any = open(ns.input, "rb")
+            except OSError as exc:  # (it said "spmdkit: [Errno 2] ...", naming no flag)
+                print(f"spmdkit infer: --input {ns.input[:200]!r}: cannot read it: {exc.strerror or exc}",
+                      file=sys.stderr)
+                return 1
         else:
             src = getattr(sys.stdin, "buffer", None)
             if src is None:  # a text stream without bytes underneath (tests, embedding)

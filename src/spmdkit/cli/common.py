@@ -193,7 +193,8 @@ def auto_time_limit(text: str) -> float:
 @contextlib.contextmanager
 def strategy_notes(command: str) -> Iterator[None]:
     """The strategies' notes (a kv projection replicated over tp, linear layers left
-    replicated: a UserWarning starting with ``--``) printed as one ``spmdkit COMMAND:
+    replicated: a UserWarning starting with ``--``, or with ``configuration`` where the
+    ``--devices`` search planned one) printed as one ``spmdkit COMMAND:
     warning: ...`` line each on stderr as they are raised, so before the report; other
     warnings are dropped."""
 
@@ -201,7 +202,7 @@ def strategy_notes(command: str) -> Iterator[None]:
 
     def show(message: Any, category: type[Warning], *_args: Any, **_kw: Any) -> None:
         text = " ".join(str(message).split())
-        if issubclass(category, UserWarning) and text.startswith("--") and text not in said:
+        if issubclass(category, UserWarning) and text.startswith(("--", "configuration ")) and text not in said:
             said.add(text)
             print(f"spmdkit {command}: warning: {text}", file=sys.stderr, flush=True)
 

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 from spmdkit.core.errors import SpmdError
 from spmdkit.models import catalog
 from spmdkit.models.params import count_params, mismatches
-from spmdkit.models.zoo import ModelConfig, preset
+from spmdkit.models.zoo import PRESETS, ModelConfig, preset
 from spmdkit.outputs.tables import fitted, print_table, terminal_width
 
 
@@ -89,7 +89,14 @@ def run_models(ns: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
     rows = model_rows(list(ns.names))
     if not rows:
-        print(f"spmdkit models: no catalog model matches {' '.join(ns.names)[:80]!r} "
+        # a preset (tiny-llama, llama-7b, ...) is no catalog model, but --model takes it: say so
+        presets = [p for p in PRESETS if p not in catalog.entries()
+                   and any(f.lower() in p.lower() for f in ns.names)]
+        one = len(presets) == 1
+        said = (f"; {', '.join(presets[:8])}{' ...' if len(presets) > 8 else ''} "
+                f"{'is a preset' if one else 'are presets'}, which --model takes but this catalog (published "
+                f"architectures with their sources) does not list" if presets else "")
+        print(f"spmdkit models: no catalog model matches {' '.join(ns.names)[:80]!r}{said} "
               f"({len(catalog.entries())} models: spmdkit models lists them)", file=sys.stderr)
         return 2
     if ns.json:

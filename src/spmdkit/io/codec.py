@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
-from spmdkit.core.errors import CaseFormatError, InternalError, SpmdError, bounded
+from spmdkit.core.errors import CaseFormatError, InternalError, SpmdError, UnsupportedModeError, bounded
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import ArgDistAttr, DistTensorSpec, SpmdResult
 from spmdkit.engine.registry import Rule, get_rule
@@ -123,7 +123,9 @@ def parse_case(obj: Any) -> Case:
         raise CaseFormatError(f"rule must be a string, got {_short(name)}")
     rule = get_rule(name)
     mode_name = obj.get("mode", "forward")
-    mode = rule.mode(mode_name) if isinstance(mode_name, str) else rule.mode(str(mode_name))
+    if mode_name is None:  # (it read as the mode 'None')
+        raise UnsupportedModeError(f"{name}: mode is null: 'forward' or 'backward' (or no 'mode' key: forward)")
+    mode = rule.mode(mode_name)
     mesh = parse_mesh(obj["mesh"])
     raw = obj.get("args", [])
     if not isinstance(raw, list):

@@ -35,6 +35,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -42,6 +43,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.cost.memory import recompute_every, recompute_layers
 from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.planner.pipeline import PipelineEstimate
+from spmdkit.planner.pipeline_split import megatron_layout
 from spmdkit.planner.search_config import Candidate
 from spmdkit.strategies.strategy import zero_stage
 
@@ -137,6 +139,20 @@ def _torchtitan_ac(r: dict[str, Any]) -> dict[str, Any]:
     return {"mode": r["recompute"], **({"selective_ac_option": "op"} if r["recompute"] == "selective" else {})}
 
 
+def _torchtitan_split_points(r: dict[str, Any]) -> list[str]:
+    """The FQNs (``layers.N``) beginning each (virtual) stage but the first, in stage order (torchtitan's
+    stage ``i`` is virtual stage ``i // pp`` of rank ``i % pp``, as the planner counts them)."""
+    counts = r.get("layers_per_stage") or []
+    starts = list(itertools.accumulate(counts))[:-1]
+    return [f"layers.{n}" for n in starts]
+
+
+def _torchtitan_fsdp(r: dict[str, Any]) -> bool:
+    """Whether the torchtitan recipe shards over more than one data-parallel rank (FSDP applied)."""
+    ep_dp = r["ep"] > 1 and not r["ep_from_cp"]
+    return (r["zero"] >= 1 or ep_dp) and r["dp"] * (r["ep"] if ep_dp else 1) > 1
+
+
 def torchtitan_toml(r: dict[str, Any]) -> str:
     """A torchtitan job config's sections for the recipe (``--job.config_file``)."""
     # torchtitan's data-parallel degrees hold the batch ranks, dp x ep where ep is carved from dp: its
@@ -161,6 +177,10 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
                            and r["ep"] > 1 else {})},
         "activation_checkpoint": _torchtitan_ac(r),
     }
+    # the precision the plan was priced in: FSDP's param_dtype (820504e torchtitan/config_manager.py
+    # Training.mixed_precision_param, "bfloat16" or "float32"; fp8's linears run beside bf16 ones)
+    prec = r.get("precision", "fp32")
+    sections["training"]["mixed_precision_param"] = "float32" if prec == "fp32" else "bfloat16"
     if r.get("float8"):  # torchao's float8 linears: the converter and its [float8] section
         sections["model"] = {"converters": ["float8"]}
         sections["float8"] = r["float8"]
@@ -168,6 +188,11 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
         # Interleaved1F1B: torchtitan's looped schedules hold 2 stages a rank unless told otherwise
         sections["parallelism"].update({"pipeline_parallel_schedule": r["schedule"],
                                         "pipeline_parallel_microbatch_size": r["micro_batch"]})
+        # the split the plan priced, as the first layer of each stage after the first (820504e
+        # Parallelism.pipeline_parallel_split_points): torchtitan's own (generate_split_points) counts the
+        # embedding and the head as a layer each and gives a looped schedule 2 stages a rank
+        if points := _torchtitan_split_points(r):
+            sections["parallelism"]["pipeline_parallel_split_points"] = points
     out = []
     for name, kv in sections.items():
         out.append(f"[{name}]")
@@ -177,19 +202,9 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
 
 
 def _megatron_layout(r: dict[str, Any]) -> str | None:
-    """Megatron-Core's ``--pipeline-model-parallel-layout`` for a split its default would not make
-    (None for an even one): Megatron-LM asserts the layers divisible by the pipeline size unless a
-    layout or first / last stage sizes are given (d98e8a64dd megatron/training/arguments.py,
-    'Number of layers should be divisible by the pipeline-model-parallel size'). Its stages in
-    virtual-stage order (``vpp_rank x pp + pp_rank``, as the planner counts them), ``|`` between
-    them, ``E`` the embedding on the first, ``L`` the loss on the last, ``t`` a layer
-    (megatron/core/transformer/pipeline_parallel_layer_layout.py ``parse_str_to_list``)."""
-    counts = r.get("layers_per_stage")
-    if not counts or len(set(counts)) == 1:
-        return None
-    last = len(counts) - 1
-    return "|".join(("E" if i == 0 else "") + (f"t*{n}" if n > 1 else "t" * n) + ("L" if i == last else "")
-                    for i, n in enumerate(counts))
+    """Megatron-Core's ``--pipeline-model-parallel-layout`` for the recipe's split
+    (:func:`spmdkit.planner.pipeline_split.megatron_layout`; None for an even one)."""
+    return megatron_layout(r.get("layers_per_stage") or [])
 
 
 def megatron_args(r: dict[str, Any]) -> str:
@@ -242,6 +257,15 @@ def recipe_warning(kind: str, r: dict[str, Any]) -> str | None:
                 f"of each pipeline stage) has no [activation_checkpoint] option (its mode has no count of layers); "
                 f"written as mode = \"full\" (every layer: less memory, a slower step than the "
                 f"{r['predicted']['step_s']:.4g} s predicted)")
+    prec = r.get("precision", "fp32")
+    if kind == "torchtitan" and prec == "fp16":
+        return ("--export-recipe torchtitan: precision fp16 has no torchtitan form (mixed_precision_param is "
+                "bfloat16 or float32); written as bfloat16")
+    if kind == "torchtitan" and prec != "fp32" and not _torchtitan_fsdp(r) and r["context_parallel"] == 1:
+        return (f"--export-recipe torchtitan: mixed_precision_param takes effect only under FSDP (torchtitan's "
+                f"parallelize applies it as FSDP's param_dtype, with data_parallel_shard_degree > 1 or context "
+                f"parallelism); without either this recipe trains in float32, not the {prec} the "
+                f"{r['predicted']['step_s']:.4g} s predicted were priced in")
     n = r.get("recompute_every")
     if kind == "megatron" and n:
         return (f"--export-recipe megatron: recompute {r['recompute']} (torchtitan's checkpoint of blocks {n}, {2 * n}, ... of "

@@ -13,6 +13,7 @@ from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import NcclCostModel
 from spmdkit.cost.compute import KernelCollective, kernel_collectives
 from spmdkit.cost.devices import expected_max_normal
+from spmdkit.cost.measured import COLLECTIVE_OPS
 from spmdkit.cost.memory import Memory, fit_verdict, memory_per_device, uneven_shards
 from spmdkit.cost.step import StepEstimate
 from spmdkit.io.codec import encode_attr
@@ -393,13 +394,38 @@ def write_torch_cp(est: StepEstimate, out: TextIO) -> None:
     out.write(text + "\n")
 
 
+def _hbm_measured(d: Any) -> str:
+    """The bandwidth ``spmdkit calibrate`` measured, which memory-bound kernels are timed at
+    (Device.hbm_rate), beside the datasheet's."""
+    got = d.measured.hbm_gb_per_s if d.measured is not None else None
+    return "" if got is None else f" ({got:g} GB/s measured, which the memory-bound ops run at)"
+
+
+def _links_text(d: Any) -> str:
+    """The links as the collectives use them: their bandwidths, or in a scope where ``spmdkit
+    calibrate`` measured collectives, those ops at the measured points (the collective model
+    interpolates them: spmdkit.cost.collectives.collective_time) and the link for the others."""
+    points = d.measured.collectives if d.measured is not None else ()
+    if not points:
+        return f"in a node {d.intra.bytes_per_s / 1e9:g} GB/s, across {d.inter.bytes_per_s / 1e9:g} GB/s per GPU"
+    said = []
+    for scope, where, link in (("intra_node", "in a node", d.intra), ("inter_node", "across nodes", d.inter)):
+        pts = [p for p in points if p.scope == scope]
+        ops = sorted({p.op for p in pts}, key=COLLECTIVE_OPS.index)
+        bw = f"{link.bytes_per_s / 1e9:g} GB/s per GPU"
+        said.append(f"{where} {bw}" if not pts else
+                    f"{where} {', '.join(ops)} as measured ({len(pts)} point{'' if len(pts) == 1 else 's'})"
+                    + (f", other ops {bw}" if len(ops) < len(COLLECTIVE_OPS) else ""))
+    return "; ".join(said)
+
+
 def write_estimate(est: StepEstimate, out: TextIO) -> None:
     """The predicted step (spmdkit.cost.step.estimate_step) as a table and a few lines."""
     d = est.device
     peak = est.peak / 1e12
     out.write(f"Device: {d.name}, {peak:g} TFLOP/s dense at the program's dtype, HBM "
-              f"{d.hbm_bytes_per_s / 1e9:g} GB/s, {d.ranks_per_node} ranks per node "
-              f"(in a node {d.intra.bytes_per_s / 1e9:g} GB/s, across {d.inter.bytes_per_s / 1e9:g} GB/s per GPU)\n")
+              f"{d.hbm_bytes_per_s / 1e9:g} GB/s{_hbm_measured(d)}, {d.ranks_per_node} ranks per node "
+              f"({_links_text(d)})\n")
     rows = [[ph, fmt_time(est.compute_s.get(ph, 0.0)), fmt_time(est.comm_s.get(ph, 0.0))]
             for ph in ("forward", "backward", "optimizer")]
     if est.recompute != "none":

@@ -243,7 +243,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
         if counts is None:
             times = [a + b for a, b in zip(oc.compute, oc.wait)] if oc is not None else None
             counts = split_layers(units[1], spec, balance=lambda n: auto_counts(plan, n, times, units))
-            note = split_note(counts, units[1], spec, times is not None)
+            note = split_note(counts, units[1], spec, times is not None, plan.runtime.framework)
         stages = op_stages(plan.program, counts)
         costs = stage_costs(plan, stages, counts, device, per_microbatch_mode(recompute), oc,
                             stage_layers(plan.program, counts, recompute, p))

@@ -11,7 +11,7 @@ recomputation that depends on the split recomputes (:func:`stage_layers`: ``full
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,16 +217,35 @@ def auto_counts(plan: Plan, n: int, op_times: list[float] | None = None,
     return balanced_split(costs[1:-1], n, costs[0], costs[-1])
 
 
-def split_note(counts: tuple[int, ...], n_layers: int, spec: PipelineSpec, timed: bool = True) -> str | None:
+def megatron_layout(counts: Sequence[int]) -> str | None:
+    """Megatron-Core's ``--pipeline-model-parallel-layout`` for a split its default would not make
+    (None for an even one): Megatron-LM asserts the layers divisible by the pipeline size unless a
+    layout or first / last stage sizes are given (d98e8a64dd megatron/training/arguments.py,
+    'Number of layers should be divisible by the pipeline-model-parallel size'). Its stages in
+    virtual-stage order (``vpp_rank x pp + pp_rank``, as the planner counts them), ``|`` between
+    them, ``E`` the embedding on the first, ``L`` the loss on the last, ``t`` a layer
+    (megatron/core/transformer/pipeline_parallel_layer_layout.py ``parse_str_to_list``)."""
+    if not counts or len(set(counts)) == 1:
+        return None
+    last = len(counts) - 1
+    return "|".join(("E" if i == 0 else "") + (f"t*{n}" if n > 1 else "t" * n) + ("L" if i == last else "")
+                    for i, n in enumerate(counts))
+
+
+def split_note(counts: tuple[int, ...], n_layers: int, spec: PipelineSpec, timed: bool = True,
+               framework: str | None = None) -> str | None:
     """The one-line note of a split chosen for layers that do not divide into the stages
     (None when they do, or ``--stages`` gave it); ``timed``: balanced by predicted time, else
-    by FLOPs."""
+    by FLOPs; ``framework`` megatron: the layout Megatron-LM needs for it (its default refuses)."""
     n = len(counts)
     if spec.stages is not None or n_layers % n == 0:
         return None
+    layout = megatron_layout(counts) if framework == "megatron" else None
     return (f"note: {n_layers} layers do not divide evenly into {n} stages: split {','.join(map(str, counts))} "
             f"(balanced by {'predicted time' if timed else 'FLOPs'}: the first stage also holds the embedding, the "
-            f"last the head and the loss; --stages overrides)")
+            f"last the head and the loss; --stages overrides)"
+            + (f"; Megatron-LM refuses layers its stages do not divide unless given the split: "
+               f"--pipeline-model-parallel-layout '{layout}'" if layout else ""))
 
 
 def block_layers(prog: Program, counts: tuple[int, ...], k: int) -> frozenset[str]:
@@ -274,4 +293,4 @@ def stage_layers(prog: Program, counts: tuple[int, ...], mode: str, p: int) -> f
 
 
 __all__ = ["MAX_MICROBATCHES", "MAX_UNITS", "PipelineSpec", "auto_counts", "block_layers", "every_layers",
-           "op_stages", "op_units", "parse_spec", "split_layers", "split_note", "stage_layers"]
+           "megatron_layout", "op_stages", "op_units", "parse_spec", "split_layers", "split_note", "stage_layers"]

@@ -56,11 +56,13 @@ of each configuration planned; the search prints nothing (its table: :mod:`spmdk
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import math
 import time
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -305,11 +307,12 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
             t1 = time.perf_counter()
             k = len(cands)
             try:
-                if isinstance(model, Program):
-                    cands += _plan_program_config(cfg, model, job, sizes, reload)
-                else:
-                    assert cfg_model is not None
-                    cands += _plan_preset_config(cfg, str(model), cfg_model, replace(job, best=best))
+                with configuration_notes(cfg):
+                    if isinstance(model, Program):
+                        cands += _plan_program_config(cfg, model, job, sizes, reload)
+                    else:
+                        assert cfg_model is not None
+                        cands += _plan_preset_config(cfg, str(model), cfg_model, replace(job, best=best))
             except SpmdError as exc:
                 refused.append((cfg, " ".join(str(exc).split())[:300]))
             for c in cands[k:]:
@@ -329,7 +332,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         progress.phase(f"planned {planned} configurations ({folded} folded), {len(pruned)} pruned by bounds, "
                        f"{len(refused)} not planned; {sum(1 for c in cands if c.fits)} rows fit")
     if cands and cands[0].fits and cands[0].folded and cfg_model is not None:
-        cands[0] = _in_full(cands[0], str(model), cfg_model, job)
+        with configuration_notes(cands[0].config):
+            cands[0] = _in_full(cands[0], str(model), cfg_model, job)
         if progress is not None:
             progress.phase(f"the best ({cands[0].config.label()}) planned whole")
     return SearchResult(devices, dev, cap, cands, refused, time.perf_counter() - t0, len(work) - len(pruned), pruned)
@@ -378,7 +382,31 @@ def _floor(model: str | Program, mc: ModelConfig | None, job: _Job, bounds: Boun
     return StepFloor(plan_copy, job.device, mc.layers, mc.batch, dense)
 
 
+@contextlib.contextmanager
+def configuration_notes(cfg: Config) -> Iterator[None]:
+    """The strategies' notes raised while ``cfg`` is planned, raised again naming the configuration
+    (``configuration pp=2,dp=1,tp=16: ...``) where they name ``--mesh`` (which the search's user did
+    not give: ``--devices``); other warnings as they were."""
+    said: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            yield
+    finally:  # (also where planning it failed: what it said before)
+        for w in said:
+            text = str(w.message)
+            if issubclass(w.category, UserWarning) and text.startswith("--mesh ") and ": " in text:
+                text = f"configuration {cfg.mesh_text}: {text.split(': ', 1)[1]}"
+            warnings.warn(text, w.category, stacklevel=3)
+
+
 def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job, gathers: bool = False) -> float:
+    """The step bound of :func:`_step_bound_of`, with the notes its plans raise naming ``cfg``."""
+    with configuration_notes(cfg):
+        return _step_bound_of(cfg, bounds, floor, job, gathers)
+
+
+def _step_bound_of(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job, gathers: bool = False) -> float:
     """``cfg``'s step bound: the larger of :meth:`Bounds.step` and ``floor``'s under the least
     recomputation its memory bound allows (a mode whose kept activations cannot fit is not
     counted; inf: none can). ``gathers`` (its turn has come): also from its layers' plans on its
