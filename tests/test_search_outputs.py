@@ -85,14 +85,14 @@ def test_devices_hf_moe_header_keeps_the_import_note_below(tmp_path: Any) -> Non
     rc, out, err = _cli(*argv)
     assert rc == 0, err
     first, note = out.splitlines()[:2]
-    assert first == "MixtralForCausalLM (HuggingFace), batch 2, seq 8 on 2 devices (NVIDIA H100 SXM5 80GB)"
+    assert first == "MixtralForCausalLM (HuggingFace), batch 2, seq 8, float32 on 2 devices (NVIDIA H100 SXM5 80GB)"
     assert note.startswith("note: MoE: 1 block(s) lowered") and "devices" not in note
     rc, out, err = _cli(*argv, "--json", "--export-recipe", "json", str(recipe))
     assert rc == 0, err
     title = json.loads(out)["title"].split("\n")
-    assert title[0] == "MixtralForCausalLM (HuggingFace), batch 2, seq 8; best of 2 devices: mesh dp=2,tp=1; dp"
+    assert title[0] == "MixtralForCausalLM (HuggingFace), batch 2, seq 8, float32; best of 2 devices: mesh dp=2,tp=1; dp"
     assert title[1] == note
-    assert json.loads(recipe.read_text())["model"] == "MixtralForCausalLM (HuggingFace), batch 2, seq 8"
+    assert json.loads(recipe.read_text())["model"] == "MixtralForCausalLM (HuggingFace), batch 2, seq 8, float32"
 
 
 def test_devices_given_strategy_goes_to_the_meshes_it_uses() -> None:
