@@ -203,3 +203,67 @@ def test_a_router_softmax_over_as_many_experts_as_tokens_is_no_attention() -> No
     prog, _m, _kw = import_hf("MixtralForCausalLM", cfg, seq=8, weights=False)
     assert sum(op.rule == "flash_attention" for op in prog.ops if op.phase == "forward") == 2
     assert spelt_out_attention(prog, 8) == [] and not any("spelt out" in n for n in prog.notes)
+
+
+FALCON = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64, "alibi": False,
+          "max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize("arch", [{"multi_query": True},  # Falcon-7B: one kv head
+                                  {"new_decoder_architecture": True, "num_kv_heads": 2}])  # Falcon-40B: grouped
+def test_a_plain_causal_mask_built_on_request_is_causal_flash(arch: dict[str, Any]) -> None:
+    """Falcon (transformers 5.25 ``FalconModel.forward``) asks ``create_causal_mask`` for its mask
+    with ``allow_is_causal_skip=False`` ("so alibi can be added onto it") and, without ALiBi, hands it
+    unchanged to sdpa: the plain causal pattern. Its attention was spelt out (a [seq, seq] mask,
+    scores and softmax, the note 'a mask the model builds in full'); it is one causal
+    flash_attention a layer now, no tensor with two axes of the sequence, no note, the loss torch
+    eager's."""
+    prog, _, _ = _import("FalconForCausalLM", {**FALCON, **arch}, 512, weights=False)
+    assert square_tensors(prog, 512) == [] and spelt_out_attention(prog, 512) == [] and prog.notes == []
+    flash = [op for op in prog.ops if op.rule == "flash_attention"]
+    assert len(flash) == 2 and all(op.attrs == {"causal": True} for op in flash)
+    prog, model, kw = _import("FalconForCausalLM", {**FALCON, **arch}, 16, optimizer=None)
+    assert sum(op.rule == "flash_attention" for op in prog.ops) == 2 and prog.notes == []
+    _loss_equals_eager(prog, model, kw)
+
+
+def test_falcon_with_alibi_keeps_its_mask() -> None:
+    """With ALiBi Falcon adds the bias onto the mask (a new tensor): sdpa reads a mask that is not
+    the one built, so it is kept, spelt out, and the note says why."""
+    prog, model, kw = _import("FalconForCausalLM", {**FALCON, "alibi": True}, 16, optimizer=None)
+    assert len(spelt_out_attention(prog, 16)) == 2 and not any(op.rule == "flash_attention" for op in prog.ops)
+    assert "a mask the model builds in full" in prog.notes[0]
+    _loss_equals_eager(prog, model, kw)
+
+
+def test_a_plain_mask_is_dropped_only_unchanged_and_unwrapped() -> None:
+    """The sdpa call drops a mask built on request only where it is the plain causal pattern as
+    built: changed in place after (its version moved), or made with an overlay (``or_masks``), it is
+    read; dropped, the call is causal even where the module says otherwise."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, or_masks
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from spmdkit.models.hf_attention import unmasked_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen) for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = False
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def ran(out: Any, want: Any) -> bool:
+        return torch.allclose(out[0], want.transpose(1, 2), atol=1e-6)
+
+    with unmasked_attention() as rec:
+        def build(fn: Any) -> Any:
+            return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](batch_size=1, q_length=4, kv_length=4, mask_function=fn,
+                                                        allow_is_causal_skip=False)
+
+        plain = build(causal_mask_function)
+        assert ran(ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, plain), sdpa(q, k, v, is_causal=True))
+        changed = build(causal_mask_function)
+        changed[:, :, 3, 1] = False
+        assert ran(ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, changed), sdpa(q, k, v, attn_mask=changed))
+        overlay = build(or_masks(causal_mask_function, lambda b, h, i, j: j == i + 1))
+        assert ran(ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, overlay), sdpa(q, k, v, attn_mask=overlay))
+    assert rec.dropped == 1 and rec.sdpa_calls == 3 and len(rec.read) == 2

@@ -25,6 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64}
 QWEN = {**LLAMA, "num_key_value_heads": 4}
+#: Falcon-7B's form without ALiBi (multi-query): its plain causal mask is built on request and dropped at sdpa
+FALCON = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64, "alibi": False,
+          "max_position_embeddings": 64}
 
 
 def test_zigzag_order_and_the_traced_call() -> None:
@@ -81,9 +84,12 @@ def test_nothing_moves_over_cp_outside_attention(mesh: str, strategy: str, atten
 @pytest.mark.parametrize(("model", "mesh", "strategy"), [
     ("LlamaForCausalLM", "dp=1,cp=2,tp=2", "megatron,sp,cp"),
     ("Qwen2ForCausalLM", "dp=2,cp=2", "dp,cp,cp-attention=alltoall"),
+    ("FalconForCausalLM", "dp=1,tp=2", "megatron,sp"),  # refused under cp until its mask was found plain causal
+    ("FalconForCausalLM", "dp=2,cp=2", "dp,cp"),
+    ("FalconForCausalLM", "dp=1,cp=2,tp=2", "megatron,sp,cp"),
 ])
 def test_verify_simulates_equal(model: str, mesh: str, strategy: str) -> None:
-    cfg = QWEN if model.startswith("Qwen") else LLAMA
+    cfg = QWEN if model.startswith("Qwen") else FALCON if model.startswith("Falcon") else LLAMA
     v = verify_hf(model, cfg, mesh, strategy)
     assert v["ok"] and v["checked"] > 300, v["text"]
 
@@ -107,8 +113,8 @@ def test_what_cannot_be_split_by_position_is_refused_by_name() -> None:
         import_hf("MistralForCausalLM", json.dumps(mistral), seq=8, cp=(2, "allgather", "zigzag"))
     assert str(e.value) == ("--strategy cp: MistralForCausalLM's attention has sliding window 4 <= seq 8: context "
                             "parallelism splits causal attention with no mask or bias only")
-    falcon = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 64}
-    with pytest.raises(ProgramError) as e:  # its mask always built in full (for ALiBi): it said 'has the model has'
+    falcon = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 64, "alibi": True}
+    with pytest.raises(ProgramError) as e:  # ALiBi added onto its mask: it said 'has the model has'
         import_hf("FalconForCausalLM", json.dumps(falcon), seq=8, cp=(2, "allgather", "zigzag"))
     assert str(e.value) == ("--strategy cp: FalconForCausalLM's attention has a mask the model builds in full (HF "
                             "builds it so for a bias such as ALiBi, overlays or packed sequences): context "
@@ -186,3 +192,19 @@ def test_an_hf_moe_pipeline_with_cp_verifies(mesh: str, strategy: str, capsys: p
     v = doc["verify"]
     assert isinstance(v, dict)
     assert v["ok"] and v["losses_agree"] and v["checked"] > 900 and math.isfinite(v["loss"]), v["text"]
+
+
+def test_falcon_runs_on_gloo_with_cp_equal_to_torch_eager() -> None:
+    """Falcon without ALiBi on cp=2 (refused: 'attention has a mask the model builds in full'): its
+    attention is cp_attention, every tensor equal to its op run unsharded, the loss and the 15
+    parameter gradients equal to torch eager's step on the tokens in natural order."""
+    prog, _m, _kw = import_hf("FalconForCausalLM", json.dumps(FALCON), batch=2, seq=8, cp=(2, "allgather", "zigzag"))
+    assert sum(op.rule == "cp_attention" for op in prog.ops) == 2 and prog.notes == []
+    p = _spmdkit("run", "--hf", "FalconForCausalLM", "--hf-config", json.dumps(FALCON), "--mesh", "dp=1,cp=2",
+                 "--strategy", "cp", "--seq", "8", "--batch", "2", "--json", "--warmup", "0", "--timeout", "200")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["collectives_match"] and not rep["failures"], rep["failures"]
+    eager = rep["eager"]
+    assert eager["checked"] == 16 and not eager["failures"], eager
+    assert rep["loss"] == pytest.approx(eager["loss"], rel=1e-5)

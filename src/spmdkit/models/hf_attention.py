@@ -16,8 +16,15 @@ transformers' ``AttentionMaskInterface`` by :func:`_mask`: the test of HF's own 
 (``_ignore_causal_mask_sdpa`` / ``_ignore_bidirectional_mask_sdpa``) with the padding known to be
 absent instead of read. Where HF would skip, no mask is built, sdpa runs with ``is_causal`` and the
 importer lowers it to one ``flash_attention(causal=True)``, the op and rule the zoo emits
-(:func:`spmdkit.models.zoo_layers.flash`). Where the causal op cannot express the pattern, the
-mask is built as before and :class:`MaskRecord` says why (a plan note):
+(:func:`spmdkit.models.zoo_layers.flash`). A model may ask for its mask to be built whatever
+(``create_causal_mask(..., allow_is_causal_skip=False)``: Falcon, "so alibi can be added onto it",
+and without ALiBi hands it unchanged to attention). Such a mask is built; where it is the pattern
+HF's skip test accepts (made of ``masking_utils.causal_mask_function`` itself, no overlay, packing,
+window or cache offset) and an ``sdpa`` call is handed that very tensor, unchanged since (its
+version counter), the call runs with no mask and ``is_causal``: the same skip, taken at the call.
+A mask the model changed (Falcon's ALiBi ``masked_fill`` makes a new tensor) is read as before.
+Where the causal op cannot express the pattern, the mask is built as before and
+:class:`MaskRecord` says why (a plan note):
 
 - sliding-window attention with a window shorter than the sequence (Mistral with
   ``sliding_window < seq``, Gemma-2/3's local layers): the window is in the mask;
@@ -44,6 +51,12 @@ class MaskRecord:
 
     #: masks not built (HF's sdpa skip, the padding known absent): attention is causal sdpa
     skipped: int = 0
+    #: masks the model asked to have built (``allow_is_causal_skip=False``) that are the plain
+    #: causal pattern HF would skip, with their version counters when built: handed unchanged to
+    #: an ``sdpa`` call, that call runs causal with no mask (:func:`_counted`)
+    plain: list[tuple[Any, int]] = field(default_factory=list)
+    #: ``sdpa`` calls handed one of :attr:`plain` that ran causal without it
+    dropped: int = 0
     #: why a mask was built anyway, once each (``"sliding window 4096 < seq 8192"``)
     kept: list[str] = field(default_factory=list)
     #: calls of the ``sdpa`` attention function
@@ -91,7 +104,15 @@ def _skip_reason(kv_length: int, q_length: int, q_offset: Any, local_size: int |
     return f"a causal mask of {q_length} queries over {kv_length} keys at offset {q_offset}"
 
 
-def _causal_mask_fn(record: MaskRecord, hf_mask: Any) -> Any:
+def _causal_mask_fn(record: MaskRecord, hf_mask: Any, causal_fn: Any) -> Any:
+    """HF's ``sdpa`` mask function ``hf_mask`` skipping where HF's eager mode would. A mask the
+    model asks to have built (``allow_is_causal_skip=False``: Falcon, to add ALiBi onto it) is
+    built, and recorded in :attr:`MaskRecord.plain` where it is the plain causal pattern HF's
+    eager sdpa skips (``_ignore_causal_mask_sdpa`` on an unpadded batch): made of
+    ``masking_utils.causal_mask_function`` itself, ``causal_fn`` (``create_causal_mask`` wraps
+    it for overlays, packed sequences or blocks; a window or chunks are other functions), no
+    window, no cache offset."""
+
     def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
              *args: Any, local_size: int | None = None, allow_is_causal_skip: bool = True,
              allow_is_bidirectional_skip: bool = False, **kwargs: Any) -> Any:
@@ -104,6 +125,10 @@ def _causal_mask_fn(record: MaskRecord, hf_mask: Any) -> Any:
                        allow_is_causal_skip=allow_is_causal_skip,
                        allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
         record.built.append((made, why))
+        fn = kwargs.get("mask_function", args[0] if args else None)
+        if made is not None and fn is causal_fn and not allow_is_bidirectional_skip and _skip_reason(
+                kv_length, q_length, q_offset, local_size, True, False) is None:
+            record.plain.append((made, made._version))
         return made
 
     return mask
@@ -112,6 +137,11 @@ def _causal_mask_fn(record: MaskRecord, hf_mask: Any) -> Any:
 def _counted(record: MaskRecord, fn: Any) -> Any:
     def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
         record.sdpa_calls += 1
+        if attention_mask is not None and kwargs.get("position_bias") is None and any(
+                attention_mask is m and attention_mask._version == v for m, v in record.plain):
+            # the plain causal mask, unchanged since built: HF's sdpa skip, taken at the call
+            record.dropped += 1
+            attention_mask, kwargs = None, {**kwargs, "is_causal": True}
         if attention_mask is not None:
             record.read.append(attention_mask)
         if kwargs.get("position_bias") is not None:
@@ -140,11 +170,11 @@ def _local(interface: Any, key: str, value: Any) -> Iterator[None]:
 def unmasked_attention() -> Iterator[MaskRecord]:
     """While tracing a step whose inputs carry no padding: HF's sdpa masks skipped where HF's
     eager mode would skip them (module docstring); yields the :class:`MaskRecord`."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     record = MaskRecord()
-    with _local(ALL_MASK_ATTENTION_FUNCTIONS, "sdpa", _causal_mask_fn(record, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])), \
+    with _local(ALL_MASK_ATTENTION_FUNCTIONS, "sdpa", _causal_mask_fn(record, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"], causal_mask_function)), \
             _local(ALL_ATTENTION_FUNCTIONS, "sdpa", _counted(record, ALL_ATTENTION_FUNCTIONS["sdpa"])):
         try:
             yield record
