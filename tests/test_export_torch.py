@@ -233,6 +233,24 @@ def test_gemma2_norms_read_through_one_plus_weight_are_sequence_parallel(tmp_pat
     assert mod.TP_PLAN["model.norm"].sequence_sharding == (mod.Shard(1),)
 
 
+def test_gemma3_head_norms_after_the_transpose_are_on_the_heads(tmp_path: Path) -> None:
+    """Gemma 3's q_norm / k_norm run on q / k viewed and transposed to [batch, heads, seq, head_dim]
+    (scaled by 1 + weight): the plan shards axis 1, the heads. Under megatron,sp they are
+    SequenceParallel(sequence_dim=1, use_local_output=True), as Qwen3's on Shard(2): before, axis 1
+    was taken for the sequence (use_local_output=False: every rank failed at run time on a DTensor
+    meeting the attention's plain tensors), and under megatron they were refused ('Shard(None)')."""
+    for strategy in ("megatron,sp", "megatron"):
+        folder = tmp_path / strategy.replace(",", "_")
+        folder.mkdir()
+        mod = _export("Gemma3ForCausalLM", GEMMA2, "dp=2,tp=2", strategy, folder)
+        for norm in ("q_norm", "k_norm"):
+            style = mod.TP_PLAN[f"model.layers.*.self_attn.{norm}"]
+            assert type(style).__name__ == "SequenceParallel" and style.use_local_output is True, (strategy, norm)
+            assert style.sequence_sharding == (mod.Shard(1),)
+        assert "self_attn.q_norm: runs on the heads a column layer makes, Shard(1) over tp" in \
+            (folder / "plan.py").read_text().replace("\n#  ", "")
+
+
 def test_shared_experts_beside_the_router_and_mla_export(tmp_path: Path) -> None:
     """DeepSeek-V3's router (and Qwen2-MoE's shared_expert_gate) read whole the input of the
     column-parallel shared experts (refused before): the shared experts MLP gets PrepareModuleInput
@@ -567,7 +585,7 @@ def _ranks() -> Any:
     return torch_export_ranks
 
 
-#: the ten dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
+#: the dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
 #: them all (torch_export_ranks.rank_cases: one import of torch and transformers a rank, ~30 s of
 #: CPU a launch saved per case), checked by one test (so one xdist worker runs the spawn)
 GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp,fsdp"),
@@ -578,6 +596,7 @@ GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp
               "phi3-megatron": ("Phi3ForCausalLM", PHI3, "megatron"),
               "gemma2-megatron": ("Gemma2ForCausalLM", GEMMA2, "megatron"),
               "gemma2-megatron,sp": ("Gemma2ForCausalLM", GEMMA2, "megatron,sp"),
+              "gemma3-megatron,sp": ("Gemma3ForCausalLM", GEMMA2, "megatron,sp"),
               "deepseek_v3-megatron": ("DeepseekV3ForCausalLM", DSV3, "megatron"),
               "qwen2_moe-megatron,sp": ("Qwen2MoeForCausalLM", QWEN2MOE, "megatron,sp"),
               "stablelm-megatron,sp": ("StableLmForCausalLM", STABLELM, "megatron,sp"),
@@ -660,7 +679,8 @@ def test_exported_files_on_gloo_equal_eager(gloo_runs: dict[str, tuple[Any, Any]
     soft-capped logits (x / cap, tanh, x cap) kept vocab-sharded into the parallel loss (its head's
     output was made local before, each rank's loss over half the vocabulary), and under megatron,sp its
     norms SequenceParallel through their 1 + weight and its scaled embedding's partial lookup counted as
-    the all-reduce torch runs inside the module (_SCALED_DOC). DeepSeek-V3 under megatron and Qwen2-MoE
+    the all-reduce torch runs inside the module (_SCALED_DOC); Gemma 3's q / k norms on the transposed
+    heads under megatron,sp (SequenceParallel on Shard(1), use_local_output=True). DeepSeek-V3 under megatron and Qwen2-MoE
     under megatron,sp: the shared experts beside the replicated router / shared_expert_gate
     (PrepareModuleInput on DeepSeek's shared experts; Qwen2-MoE's MoE block between
     PrepareModuleInputOutput), DeepSeek's MLA key through GradAllReduceColumns (without it kv_a_proj_with_mqa's
