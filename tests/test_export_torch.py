@@ -251,6 +251,23 @@ def test_gemma3_head_norms_after_the_transpose_are_on_the_heads(tmp_path: Path) 
             (folder / "plan.py").read_text().replace("\n#  ", "")
 
 
+def test_olmo2_norms_over_the_whole_projection_are_refused(tmp_path: Path) -> None:
+    """OLMo2's q_norm / k_norm span the whole q / k projection (num_heads * head_dim = 64 features),
+    which the column-parallel q_proj shards over tp: the plan all-gathers it to normalise it whole,
+    torch's ColwiseParallel hands the norm its rank's 32 (every rank failed at run time on the norm's
+    64-wide weight) and no style reduces a norm's sum of squares over tp. Refused in one line naming
+    the module, under megatron and megatron,sp; fsdp (no tp) exports."""
+    for strategy in ("megatron,sp", "megatron"):
+        with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.self_attn\.q_norm \(Olmo2RMSNorm\): "
+                                              r"normalises the whole output linear of the column-parallel "
+                                              r"model\.layers\.0\.self_attn\.q_proj \(64 features, Shard\(-1\) over "
+                                              r"tp\), which the plan all-gathers first; torch's ColwiseParallel "
+                                              r"hands it its rank's 32 .*--strategy fsdp\)$"):
+            _export("Olmo2ForCausalLM", LLAMA, "dp=2,tp=2", strategy, tmp_path)
+        assert not (tmp_path / "plan.py").exists()
+    assert _export("Olmo2ForCausalLM", LLAMA, "dp=4", "fsdp", tmp_path).TP_PLAN == {}
+
+
 def test_shared_experts_beside_the_router_and_mla_export(tmp_path: Path) -> None:
     """DeepSeek-V3's router (and Qwen2-MoE's shared_expert_gate) read whole the input of the
     column-parallel shared experts (refused before): the shared experts MLP gets PrepareModuleInput

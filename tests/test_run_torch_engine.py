@@ -440,6 +440,11 @@ def test_the_worker_ends_without_the_interpreters_teardown(tmp_path: Path, fails
      "spmdkit run: --torch-plan /nonexistent/x.py: cannot be read (No such file or directory)"),
     (["--hf", "LlamaForCausalLM", "--hf-config", "{}", "--mesh", "pp=2,tp=2"],
      "spmdkit run: --mesh pp=2,tp=2: a pipeline plan's stages and schedule come from spmdkit plan"),
+    # these failed on every rank at run time (a 32-wide q_norm on 16 features)
+    (["--hf", "Olmo2ForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "dp=2,tp=2", "--strategy", "megatron,sp",
+      "--batch", "4", "--seq", "8"],
+     "spmdkit run: ExportError: --export torch: model.layers.0.self_attn.q_norm (Olmo2RMSNorm): normalises the "
+     "whole output linear of the column-parallel model.layers.0.self_attn.q_proj (32 features"),
 ])
 def test_refused_before_torchrun_starts(capsys: pytest.CaptureFixture[str], args: list[str], line: str) -> None:
     rc, last = run_cli_line(capsys, "--engine", "torch", *args)

@@ -316,6 +316,40 @@ class _TorchExport(_DTensorExport):
                                   f"that runs a replicated layer on sequence shards: not exported (export it without "
                                   f"sp)")
 
+    def check_norms_on_gathered_columns(self) -> None:
+        """A norm (a replicated 1-D parameter's reading op) the plan runs on the whole output of a
+        column-parallel layer, all-gathered first, is refused: OLMo2's ``q_norm`` / ``k_norm`` span
+        the whole projection (``num_heads * head_dim`` features, which the column layer shards over
+        tp). ``ColwiseParallel`` hands the module its rank's features (a shape error at run time)
+        and no torch style runs a norm on a gathered column output nor reduces the sum of squares
+        over tp (torchtitan's styles for q / k norms, its HF backend's included, are per head:
+        Qwen3's, the activations heads-sharded)."""
+        assert self.tp is not None
+        prog, tp = self.prog, self.tp
+        for p in self.params:
+            if len(prog.tensors[p].shape) != 1 or _tp_placement(self.plan.attrs[p], tp).is_shard():
+                continue
+            for i, op, src in self.weight_reads(p):
+                for k, v in op.inputs.items():
+                    j = self.producers.get(v) if isinstance(v, str) and v != src else None
+                    if j is None or prog.ops[j].rule != "matmul" or op.phase != "forward":
+                        continue
+                    nd, made = len(prog.tensors[v].shape), self.made_as(v)
+                    if not (made.is_shard() and made.dim == nd - 1) \
+                            or not _tp_placement(self.plan.ops[i].required[k], tp).is_replicate():
+                        continue
+                    mod = " (".join(self.modules.get(i, (p, "")))
+                    mod += ")" if "(" in mod else ""
+                    col = self.modules.get(j, ("", ""))[0] or v
+                    n = prog.tensors[v].shape[-1]
+                    size = self.plan.mesh.shape[tp]
+                    raise ExportError(f"--export torch: {mod}: normalises the whole output {v} of the column-parallel "
+                                      f"{col} ({n} features, Shard(-1) over tp), which the plan all-gathers first; "
+                                      f"torch's ColwiseParallel hands it its rank's {n // size} and no torch style "
+                                      f"runs a norm on a gathered column output or reduces its sum of squares over "
+                                      f"tp: not exported (a norm over the whole projection, as OLMo2's q_norm / "
+                                      f"k_norm, runs under torch without tp on its attention: --strategy fsdp)")
+
     def replicated_beside_tokens(self) -> None:
         """An embedding the plan keeps replicated over tp (GPT-2's position embedding ``wpe``)
         whose output is added to the token-sharded residual stream (a DTensor under sequence
@@ -368,6 +402,7 @@ class _TorchExport(_DTensorExport):
         replicated DTensor (all-gathered from ``Shard(1)`` under sequence parallel)."""
         self.check_row_inputs()
         self.check_replicated_on_shards()
+        self.check_norms_on_gathered_columns()
         self.sequence_parallel_norms()
         self.shared_module_inputs()
         if self.seq_dim is not None:
