@@ -268,6 +268,21 @@ def test_olmo2_norms_over_the_whole_projection_are_refused(tmp_path: Path) -> No
     assert _export("Olmo2ForCausalLM", LLAMA, "dp=4", "fsdp", tmp_path).TP_PLAN == {}
 
 
+def test_opt_positions_added_whole_to_a_reduce_scattered_stream_are_refused(tmp_path: Path) -> None:
+    """OPT's decoder adds its learned positions (embed_positions, replicated) to the token
+    embedding, which the plan under megatron,sp reduce-scatters over tp and all-gathers again to add
+    whole: torch keeps the embedding's output a token-sharded DTensor and the positions a plain
+    tensor (every rank failed: aten.add.Tensor got mixed torch.Tensor and DTensor). Refused in one
+    line naming the module; OPT under megatron exports (and equals eager on gloo, GLOO_CASES)."""
+    with pytest.raises(ExportError, match=r"^--export torch: model\.decoder\.embed_positions "
+                                          r"\(OPTLearnedPositionalEmbedding\): its lookup embedding_1 is added in "
+                                          r"model\.decoder to embedding, which the plan reduce-scatters over tp "
+                                          r"\(model\.decoder\.embed_tokens, Shard\(0\)\) .*--strategy megatron, "
+                                          r"without sp, exports\)$"):
+        _export("OPTForCausalLM", OPT, "dp=2,tp=2", "megatron,sp", tmp_path)
+    assert not (tmp_path / "plan.py").exists()
+
+
 def test_shared_experts_beside_the_router_and_mla_export(tmp_path: Path) -> None:
     """DeepSeek-V3's router (and Qwen2-MoE's shared_expert_gate) read whole the input of the
     column-parallel shared experts (refused before): the shared experts MLP gets PrepareModuleInput

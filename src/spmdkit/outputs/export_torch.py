@@ -57,6 +57,7 @@ from spmdkit.outputs.export import (
     ExportError,
     _DTensorExport,
     _placement_text,
+    _reduced_to,
     _style_doc,
     _tp_placement,
     check_target,
@@ -375,12 +376,37 @@ class _TorchExport(_DTensorExport):
                                       f"residual stream; torch would slice a replicated output and all-gather its "
                                       f"gradient where the plan all-reduces it: not exported (a batch tp divides per "
                                       f"dp rank shards the batch rows instead)")
-                if other:
-                    self.styles[mod] = _style_doc("PrepareModuleOutput", output_layouts="Replicate()",
-                                                  desired_output_layouts="Replicate()", use_local_output=False)
-                    self.notes.append(f"{mod}: its output {out} is added to the token-sharded residual stream: a "
-                                      f"replicated DTensor, its gradient all-reduced over tp")
-                    break
+                if not other:
+                    self.check_added_whole(i, out, j)
+                    continue
+                self.styles[mod] = _style_doc("PrepareModuleOutput", output_layouts="Replicate()",
+                                              desired_output_layouts="Replicate()", use_local_output=False)
+                self.notes.append(f"{mod}: its output {out} is added to the token-sharded residual stream: a "
+                                  f"replicated DTensor, its gradient all-reduced over tp")
+                break
+
+    def check_added_whole(self, i: int, out: str, j: int) -> None:
+        """The replicated lookup ``out`` of op ``i``'s module (OPT's learned positions, ``embed_positions``)
+        added by op ``j`` to a row layer's output the plan reduce-scatters to token shards and then
+        all-gathers to add whole over tp, is refused: torch's ``RowwiseParallel`` keeps that output
+        a token-sharded DTensor (``use_local_output=False``, as the rest of the sequence-parallel
+        stream), the lookup is a plain tensor beside it (every rank: "aten.add.Tensor got mixed
+        torch.Tensor and DTensor"), and no style gathers a stream before an add in no module's own
+        forward (OPT's decoder adds them itself)."""
+        assert self.tp is not None
+        mod, cls = self.modules[i]
+        for v in self.prog.ops[j].input_names():
+            dst = _reduced_to(self.plan, v, self.tp) if v != out and v in self.producers else None
+            if dst is None or not dst.is_shard():
+                continue
+            row = self.modules.get(self.producers[v], ("", ""))[0] or v
+            where = self.modules.get(j, ("", ""))[0] or "the model"
+            raise ExportError(f"--export torch: {mod} ({cls}): its lookup {out} is "
+                              f"added in {where} to {v}, which the plan reduce-scatters over tp ({row}, "
+                              f"{_placement_text(dst)}) and all-gathers again to add whole; torch keeps {v} a "
+                              f"token-sharded DTensor there beside {mod}'s plain output and no style gathers it "
+                              f"before that add (every rank: aten.add got mixed torch.Tensor and DTensor): not "
+                              f"exported under sequence parallel (--strategy megatron, without sp, exports)")
 
     def check_row_inputs(self) -> None:
         """A row layer whose input no column layer beside it makes (in its parent module) is
