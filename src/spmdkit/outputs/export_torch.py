@@ -318,13 +318,9 @@ class _TorchExport(_DTensorExport):
                                   f"sp)")
 
     def check_norms_on_gathered_columns(self) -> None:
-        """A norm (a replicated 1-D parameter's reading op) the plan runs on the whole output of a
-        column-parallel layer, all-gathered first, is refused: OLMo2's ``q_norm`` / ``k_norm`` span
-        the whole projection (``num_heads * head_dim`` features, which the column layer shards over
-        tp). ``ColwiseParallel`` hands the module its rank's features (a shape error at run time)
-        and no torch style runs a norm on a gathered column output nor reduces the sum of squares
-        over tp (torchtitan's styles for q / k norms, its HF backend's included, are per head:
-        Qwen3's, the activations heads-sharded)."""
+        """A norm the plan runs on a column layer's whole output, all-gathered first (OLMo2's
+        ``q_norm`` / ``k_norm`` over ``num_heads * head_dim``), is refused: ColwiseParallel hands it
+        its rank's features and no torch style reduces a norm's sum of squares over tp (docs/export.md)."""
         assert self.tp is not None
         prog, tp = self.prog, self.tp
         for p in self.params:
@@ -339,14 +335,10 @@ class _TorchExport(_DTensorExport):
                     if not (made.is_shard() and made.dim == nd - 1) \
                             or not _tp_placement(self.plan.ops[i].required[k], tp).is_replicate():
                         continue
-                    mod = " (".join(self.modules.get(i, (p, "")))
-                    mod += ")" if "(" in mod else ""
-                    col = self.modules.get(j, ("", ""))[0] or v
-                    n = prog.tensors[v].shape[-1]
-                    size = self.plan.mesh.shape[tp]
+                    mod, col, n = " (".join(self.modules.get(i, (p, "?"))) + ")", self.modules.get(j, (v, ""))[0], prog.tensors[v].shape[-1]
                     raise ExportError(f"--export torch: {mod}: normalises the whole output {v} of the column-parallel "
                                       f"{col} ({n} features, Shard(-1) over tp), which the plan all-gathers first; "
-                                      f"torch's ColwiseParallel hands it its rank's {n // size} and no torch style "
+                                      f"torch's ColwiseParallel hands it its rank's {n // self.plan.mesh.shape[tp]} and no torch style "
                                       f"runs a norm on a gathered column output or reduces its sum of squares over "
                                       f"tp: not exported (a norm over the whole projection, as OLMo2's q_norm / "
                                       f"k_norm, runs under torch without tp on its attention: --strategy fsdp)")
@@ -386,21 +378,16 @@ class _TorchExport(_DTensorExport):
                 break
 
     def check_added_whole(self, i: int, out: str, j: int) -> None:
-        """The replicated lookup ``out`` of op ``i``'s module (OPT's learned positions, ``embed_positions``)
-        added by op ``j`` to a row layer's output the plan reduce-scatters to token shards and then
-        all-gathers to add whole over tp, is refused: torch's ``RowwiseParallel`` keeps that output
-        a token-sharded DTensor (``use_local_output=False``, as the rest of the sequence-parallel
-        stream), the lookup is a plain tensor beside it (every rank: "aten.add.Tensor got mixed
-        torch.Tensor and DTensor"), and no style gathers a stream before an add in no module's own
-        forward (OPT's decoder adds them itself)."""
+        """Op ``i``'s replicated lookup ``out`` (OPT's ``embed_positions``) added by op ``j`` whole to a
+        row output the plan reduce-scatters and all-gathers back is refused: torch keeps that output a
+        token-sharded DTensor beside the plain lookup (mixed Tensor and DTensor, docs/export.md)."""
         assert self.tp is not None
         mod, cls = self.modules[i]
         for v in self.prog.ops[j].input_names():
             dst = _reduced_to(self.plan, v, self.tp) if v != out and v in self.producers else None
             if dst is None or not dst.is_shard():
                 continue
-            row = self.modules.get(self.producers[v], ("", ""))[0] or v
-            where = self.modules.get(j, ("", ""))[0] or "the model"
+            row, where = self.modules.get(self.producers[v], (v, ""))[0], self.modules.get(j, ("the model", ""))[0]
             raise ExportError(f"--export torch: {mod} ({cls}): its lookup {out} is "
                               f"added in {where} to {v}, which the plan reduce-scatters over tp ({row}, "
                               f"{_placement_text(dst)}) and all-gathers again to add whole; torch keeps {v} a "
