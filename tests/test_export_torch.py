@@ -233,6 +233,56 @@ def test_gemma2_norms_read_through_one_plus_weight_are_sequence_parallel(tmp_pat
     assert mod.TP_PLAN["model.norm"].sequence_sharding == (mod.Shard(1),)
 
 
+def test_gemma3_head_norms_after_the_transpose_are_on_the_heads(tmp_path: Path) -> None:
+    """Gemma 3's q_norm / k_norm run on q / k viewed and transposed to [batch, heads, seq, head_dim]
+    (scaled by 1 + weight): the plan shards axis 1, the heads. Under megatron,sp they are
+    SequenceParallel(sequence_dim=1, use_local_output=True), as Qwen3's on Shard(2): before, axis 1
+    was taken for the sequence (use_local_output=False: every rank failed at run time on a DTensor
+    meeting the attention's plain tensors), and under megatron they were refused ('Shard(None)')."""
+    for strategy in ("megatron,sp", "megatron"):
+        folder = tmp_path / strategy.replace(",", "_")
+        folder.mkdir()
+        mod = _export("Gemma3ForCausalLM", GEMMA2, "dp=2,tp=2", strategy, folder)
+        for norm in ("q_norm", "k_norm"):
+            style = mod.TP_PLAN[f"model.layers.*.self_attn.{norm}"]
+            assert type(style).__name__ == "SequenceParallel" and style.use_local_output is True, (strategy, norm)
+            assert style.sequence_sharding == (mod.Shard(1),)
+        assert "self_attn.q_norm: runs on the heads a column layer makes, Shard(1) over tp" in \
+            (folder / "plan.py").read_text().replace("\n#  ", "")
+
+
+def test_olmo2_norms_over_the_whole_projection_are_refused(tmp_path: Path) -> None:
+    """OLMo2's q_norm / k_norm span the whole q / k projection (num_heads * head_dim = 64 features),
+    which the column-parallel q_proj shards over tp: the plan all-gathers it to normalise it whole,
+    torch's ColwiseParallel hands the norm its rank's 32 (every rank failed at run time on the norm's
+    64-wide weight) and no style reduces a norm's sum of squares over tp. Refused in one line naming
+    the module, under megatron and megatron,sp; fsdp (no tp) exports."""
+    for strategy in ("megatron,sp", "megatron"):
+        with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.self_attn\.q_norm \(Olmo2RMSNorm\): "
+                                              r"normalises the whole output linear of the column-parallel "
+                                              r"model\.layers\.0\.self_attn\.q_proj \(64 features, Shard\(-1\) over "
+                                              r"tp\), which the plan all-gathers first; torch's ColwiseParallel "
+                                              r"hands it its rank's 32 .*--strategy fsdp\)$"):
+            _export("Olmo2ForCausalLM", LLAMA, "dp=2,tp=2", strategy, tmp_path)
+        assert not (tmp_path / "plan.py").exists()
+    assert _export("Olmo2ForCausalLM", LLAMA, "dp=4", "fsdp", tmp_path).TP_PLAN == {}
+
+
+def test_opt_positions_added_whole_to_a_reduce_scattered_stream_are_refused(tmp_path: Path) -> None:
+    """OPT's decoder adds its learned positions (embed_positions, replicated) to the token
+    embedding, which the plan under megatron,sp reduce-scatters over tp and all-gathers again to add
+    whole: torch keeps the embedding's output a token-sharded DTensor and the positions a plain
+    tensor (every rank failed: aten.add.Tensor got mixed torch.Tensor and DTensor). Refused in one
+    line naming the module; OPT under megatron exports (and equals eager on gloo, GLOO_CASES)."""
+    with pytest.raises(ExportError, match=r"^--export torch: model\.decoder\.embed_positions "
+                                          r"\(OPTLearnedPositionalEmbedding\): its lookup embedding_1 is added in "
+                                          r"model\.decoder to embedding, which the plan reduce-scatters over tp "
+                                          r"\(model\.decoder\.embed_tokens, Shard\(0\)\) .*--strategy megatron, "
+                                          r"without sp, exports\)$"):
+        _export("OPTForCausalLM", OPT, "dp=2,tp=2", "megatron,sp", tmp_path)
+    assert not (tmp_path / "plan.py").exists()
+
+
 def test_shared_experts_beside_the_router_and_mla_export(tmp_path: Path) -> None:
     """DeepSeek-V3's router (and Qwen2-MoE's shared_expert_gate) read whole the input of the
     column-parallel shared experts (refused before): the shared experts MLP gets PrepareModuleInput
@@ -567,7 +617,7 @@ def _ranks() -> Any:
     return torch_export_ranks
 
 
-#: the ten dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
+#: the dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
 #: them all (torch_export_ranks.rank_cases: one import of torch and transformers a rank, ~30 s of
 #: CPU a launch saved per case), checked by one test (so one xdist worker runs the spawn)
 GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp,fsdp"),
@@ -578,6 +628,7 @@ GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp
               "phi3-megatron": ("Phi3ForCausalLM", PHI3, "megatron"),
               "gemma2-megatron": ("Gemma2ForCausalLM", GEMMA2, "megatron"),
               "gemma2-megatron,sp": ("Gemma2ForCausalLM", GEMMA2, "megatron,sp"),
+              "gemma3-megatron,sp": ("Gemma3ForCausalLM", GEMMA2, "megatron,sp"),
               "deepseek_v3-megatron": ("DeepseekV3ForCausalLM", DSV3, "megatron"),
               "qwen2_moe-megatron,sp": ("Qwen2MoeForCausalLM", QWEN2MOE, "megatron,sp"),
               "stablelm-megatron,sp": ("StableLmForCausalLM", STABLELM, "megatron,sp"),
@@ -663,7 +714,8 @@ def test_exported_files_on_gloo_equal_eager(gloo_runs: dict[str, tuple[Any, Any]
     soft-capped logits (x / cap, tanh, x cap) kept vocab-sharded into the parallel loss (its head's
     output was made local before, each rank's loss over half the vocabulary), and under megatron,sp its
     norms SequenceParallel through their 1 + weight and its scaled embedding's partial lookup counted as
-    the all-reduce torch runs inside the module (_SCALED_DOC). DeepSeek-V3 under megatron and Qwen2-MoE
+    the all-reduce torch runs inside the module (_SCALED_DOC); Gemma 3's q / k norms on the transposed
+    heads under megatron,sp (SequenceParallel on Shard(1), use_local_output=True). DeepSeek-V3 under megatron and Qwen2-MoE
     under megatron,sp: the shared experts beside the replicated router / shared_expert_gate
     (PrepareModuleInput on DeepSeek's shared experts; Qwen2-MoE's MoE block between
     PrepareModuleInputOutput), DeepSeek's MLA key through GradAllReduceColumns (without it kv_a_proj_with_mqa's

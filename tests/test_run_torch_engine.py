@@ -35,6 +35,8 @@ LLAMA = {"num_key_value_heads": 2, "num_hidden_layers": 1, "hidden_size": 32, "n
 #: exponentials, the label's logit), FSDP2's replicate over dp: one gradient all-reduce per group (the
 #: block, the root: 2)
 ALL_REDUCES = 3 + 3 + 3 + 2
+OPT = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "ffn_dim": 64, "vocab_size": 128,
+       "max_position_embeddings": 64, "word_embed_proj_dim": 32, "enable_bias": False}
 
 
 def _real_export(tmp_path: Path, name: str = "plan.py", mesh: str = "dp=2,tp=2", extra: list[str] | None = None,
@@ -451,6 +453,15 @@ def test_the_worker_ends_without_the_interpreters_teardown(tmp_path: Path, fails
      "spmdkit run: --torch-plan /nonexistent/x.py: cannot be read (No such file or directory)"),
     (["--hf", "LlamaForCausalLM", "--hf-config", "{}", "--mesh", "pp=2,tp=2"],
      "spmdkit run: --mesh pp=2,tp=2: a pipeline plan's stages and schedule come from spmdkit plan"),
+    # these failed on every rank at run time (a 32-wide q_norm on 16 features; mixed Tensor and DTensor)
+    (["--hf", "Olmo2ForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "dp=2,tp=2", "--strategy", "megatron,sp",
+      "--batch", "4", "--seq", "8"],
+     "spmdkit run: ExportError: --export torch: model.layers.0.self_attn.q_norm (Olmo2RMSNorm): normalises the "
+     "whole output linear of the column-parallel model.layers.0.self_attn.q_proj (32 features"),
+    (["--hf", "OPTForCausalLM", "--hf-config", json.dumps(OPT), "--mesh", "dp=2,tp=2", "--strategy", "megatron,sp",
+      "--batch", "4", "--seq", "8"],
+     "spmdkit run: ExportError: --export torch: model.decoder.embed_positions (OPTLearnedPositionalEmbedding): "
+     "its lookup embedding_1 is added in model.decoder to embedding, which the plan reduce-scatters over tp"),
 ])
 def test_refused_before_torchrun_starts(capsys: pytest.CaptureFixture[str], args: list[str], line: str) -> None:
     rc, last = run_cli_line(capsys, "--engine", "torch", *args)

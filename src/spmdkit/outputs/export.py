@@ -189,7 +189,22 @@ def _sequence_parallel(mod: str, name: str, pl: Any) -> ExportError:
 def heads_axis(prog: Program, x: str, d: int) -> bool:
     """Axis ``d`` of ``x`` is a heads axis of ``[batch, seq, heads, head_dim]`` (neither a token
     axis nor the features a norm reduces): Qwen3's ``q_norm`` / ``k_norm`` run on the heads a
-    column-parallel ``q_proj`` / ``k_proj`` makes, which tp shards."""
+    column-parallel ``q_proj`` / ``k_proj`` makes, which tp shards. Followed back through the
+    ops that made ``x`` (elementwise ones, same shape in and out, and transposes): Gemma 3's norms
+    run on ``[batch, heads, seq, head_dim]`` (the view transposed first, ``perm (0, 2, 1, 3)``),
+    whose axis 1 is that heads axis, not the sequence."""
+    made = {o: op for op in prog.ops if op.phase == "forward" for o in op.output_names()}
+    for _ in range(8):
+        src, shape = made.get(x), prog.tensors[x].shape
+        perm = src.attrs.get("perm") if src is not None and src.rule == "transpose" else None
+        if src is not None and isinstance(perm, (tuple, list)) and len(perm) == len(shape):
+            x, d = src.inputs["x"], int(perm[d])
+            continue
+        same = [v for v in (src.input_names() if src is not None else []) if v in prog.tensors
+                and prog.tensors[v].shape == shape]
+        if not same:
+            break
+        x = same[0]
     nd = len(prog.tensors[x].shape)
     return nd >= 4 and 1 < d < nd - 1
 

@@ -60,6 +60,7 @@ from spmdkit.outputs.export import (
     ExportError,
     _DTensorExport,
     _placement_text,
+    _reduced_to,
     _style_doc,
     _tp_placement,
     check_target,
@@ -327,6 +328,32 @@ class _TorchExport(_DTensorExport):
                                   f"that runs a replicated layer on sequence shards: not exported (export it without "
                                   f"sp)")
 
+    def check_norms_on_gathered_columns(self) -> None:
+        """A norm the plan runs on a column layer's whole output, all-gathered first (OLMo2's
+        ``q_norm`` / ``k_norm`` over ``num_heads * head_dim``), is refused: ColwiseParallel hands it
+        its rank's features and no torch style reduces a norm's sum of squares over tp (docs/export.md)."""
+        assert self.tp is not None
+        prog, tp = self.prog, self.tp
+        for p in self.params:
+            if len(prog.tensors[p].shape) != 1 or _tp_placement(self.plan.attrs[p], tp).is_shard():
+                continue
+            for i, op, src in self.weight_reads(p):
+                for k, v in op.inputs.items():
+                    j = self.producers.get(v) if isinstance(v, str) and v != src else None
+                    if j is None or prog.ops[j].rule != "matmul" or op.phase != "forward":
+                        continue
+                    nd, made = len(prog.tensors[v].shape), self.made_as(v)
+                    if not (made.is_shard() and made.dim == nd - 1) \
+                            or not _tp_placement(self.plan.ops[i].required[k], tp).is_replicate():
+                        continue
+                    mod, col, n = " (".join(self.modules.get(i, (p, "?"))) + ")", self.modules.get(j, (v, ""))[0], prog.tensors[v].shape[-1]
+                    raise ExportError(f"--export torch: {mod}: normalises the whole output {v} of the column-parallel "
+                                      f"{col} ({n} features, Shard(-1) over tp), which the plan all-gathers first; "
+                                      f"torch's ColwiseParallel hands it its rank's {n // self.plan.mesh.shape[tp]} and no torch style "
+                                      f"runs a norm on a gathered column output or reduces its sum of squares over "
+                                      f"tp: not exported (a norm over the whole projection, as OLMo2's q_norm / "
+                                      f"k_norm, runs under torch without tp on its attention: --strategy fsdp)")
+
     def replicated_beside_tokens(self) -> None:
         """An embedding the plan keeps replicated over tp (GPT-2's position embedding ``wpe``)
         whose output is added to the token-sharded residual stream (a DTensor under sequence
@@ -352,12 +379,32 @@ class _TorchExport(_DTensorExport):
                                       f"residual stream; torch would slice a replicated output and all-gather its "
                                       f"gradient where the plan all-reduces it: not exported (a batch tp divides per "
                                       f"dp rank shards the batch rows instead)")
-                if other:
-                    self.styles[mod] = _style_doc("PrepareModuleOutput", output_layouts="Replicate()",
-                                                  desired_output_layouts="Replicate()", use_local_output=False)
-                    self.notes.append(f"{mod}: its output {out} is added to the token-sharded residual stream: a "
-                                      f"replicated DTensor, its gradient all-reduced over tp")
-                    break
+                if not other:
+                    self.check_added_whole(i, out, j)
+                    continue
+                self.styles[mod] = _style_doc("PrepareModuleOutput", output_layouts="Replicate()",
+                                              desired_output_layouts="Replicate()", use_local_output=False)
+                self.notes.append(f"{mod}: its output {out} is added to the token-sharded residual stream: a "
+                                  f"replicated DTensor, its gradient all-reduced over tp")
+                break
+
+    def check_added_whole(self, i: int, out: str, j: int) -> None:
+        """Op ``i``'s replicated lookup ``out`` (OPT's ``embed_positions``) added by op ``j`` whole to a
+        row output the plan reduce-scatters and all-gathers back is refused: torch keeps that output a
+        token-sharded DTensor beside the plain lookup (mixed Tensor and DTensor, docs/export.md)."""
+        assert self.tp is not None
+        mod, cls = self.modules[i]
+        for v in self.prog.ops[j].input_names():
+            dst = _reduced_to(self.plan, v, self.tp) if v != out and v in self.producers else None
+            if dst is None or not dst.is_shard():
+                continue
+            row, where = self.modules.get(self.producers[v], (v, ""))[0], self.modules.get(j, ("the model", ""))[0]
+            raise ExportError(f"--export torch: {mod} ({cls}): its lookup {out} is "
+                              f"added in {where} to {v}, which the plan reduce-scatters over tp ({row}, "
+                              f"{_placement_text(dst)}) and all-gathers again to add whole; torch keeps {v} a "
+                              f"token-sharded DTensor there beside {mod}'s plain output and no style gathers it "
+                              f"before that add (every rank: aten.add got mixed torch.Tensor and DTensor): not "
+                              f"exported under sequence parallel (--strategy megatron, without sp, exports)")
 
     def check_row_inputs(self) -> None:
         """A row layer whose input no column layer beside it makes (in its parent module) is
@@ -379,6 +426,7 @@ class _TorchExport(_DTensorExport):
         replicated DTensor (all-gathered from ``Shard(1)`` under sequence parallel)."""
         self.check_row_inputs()
         self.check_replicated_on_shards()
+        self.check_norms_on_gathered_columns()
         self.sequence_parallel_norms()
         self.shared_module_inputs()
         if self.seq_dim is not None:
