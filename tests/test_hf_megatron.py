@@ -356,3 +356,27 @@ def test_run_with_fused_parts_equals_torch_eager(name: str) -> None:
     assert eager["checked"] == 1 + n_params and not eager["failures"] and eager["max_rel_error"] <= 1e-5
     tp = Counter(c["kind"] for c in rep["collectives"] if c["mesh_dim"] == 1)
     assert tp == Counter(all_reduce=2 * (2 + 4) + 2)
+
+
+def test_a_tiny_replicated_share_reads_below_a_tenth_of_a_percent() -> None:
+    """Qwen2-MoE's shared_expert_gate (a hidden -> 1 linear, no tensor-parallel role) is the one
+    layer left replicated: 64 weights of 168,576 (embed and lm_head 2 x 256 x 64, attention
+    2 x 64 x 64 + 2 x 64 x 32 and its q/k/v biases 64 + 2 x 32, 3 norms x 64, the router 64 x 4,
+    4 experts and the shared one 5 x 3 x 64 x 128, the gate 64) is 0.038%, which '.1%' prints as
+    0.0%: it reads '<0.1%'."""
+    from spmdkit.models.hf import import_hf
+
+    cfg = {**C, "num_hidden_layers": 1, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = import_hf("Qwen2MoeForCausalLM", cfg, batch=2, seq=16, seed=0)[0]
+    total = sum(int(np.prod(prog.tensors[p].shape)) for p in prog.parameters())
+    assert total == 2 * 256 * 64 + 2 * 64 * 64 + 2 * 64 * 32 + 64 + 2 * 32 + 3 * 64 + 64 * 4 + 5 * 3 * 64 * 128 + 64 == 168576
+    assert f"{64 / total:.1%}" == "0.0%"
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        plan_program(prog, "tp=2", "megatron")
+    msgs = [str(w.message) for w in got if "left replicated" in str(w.message)]
+    assert len(msgs) == 1 and "1 layer left replicated over tp, <0.1% of the parameters" in msgs[0], msgs
+    assert "model.layers.*.mlp.shared_expert_gate;" in msgs[0]

@@ -221,10 +221,10 @@ def test_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[str], m
         (["--timeout", "0"], "argument --timeout: must be a positive number of seconds, got '0'"),
         (["--timeout", "nan"], "argument --timeout: must be a positive number of seconds, got 'nan'"),
         (["--mesh", "dp=3", "--strategy", "dp"],
-         "spmdkit run: --batch 4: data parallel over --mesh dp=3 needs a batch that is a multiple of 3 (each rank "
+         "spmdkit run: ProgramError: --batch 4: data parallel over --mesh dp=3 needs a batch that is a multiple of 3 (each rank "
          "whole sequences); --batch not given: the model's own batch is 4"),
         (["--mesh", "dp=2,tp=3"],
-         "spmdkit run: --mesh tp=3: megatron splits evenly or not at all: tp=3 does not divide the "
+         "spmdkit run: ProgramError: --mesh tp=3: megatron splits evenly or not at all: tp=3 does not divide the "
          "model's 4 attention heads"),
         (["--mesh", "tp=5", "--batch", "8"], "--mesh tp=5: megatron splits evenly or not at all"),
     ]

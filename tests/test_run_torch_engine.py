@@ -512,3 +512,17 @@ def test_the_batch_follows_the_export_then_the_plan_then_its_data_parallel_dim()
     with pytest.raises(ValueError, match=r"BATCH_DIMS \['ep'\]: ep not in MESH_DIMS \['dp', 'tp'\]"):
         batch_split(SimpleNamespace(MESH_DIMS=dims, BATCH_DIMS=["ep"]), None)
 
+
+
+def test_a_planning_error_reads_the_same_on_both_engines_and_in_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    # tp=3 does not divide the 128-entry vocabulary: the planner's ProgramError, which spmdkit plan prints
+    # with its class; run's two engines print it the same way (--engine spmdkit dropped the class)
+    from spmdkit.cli import main
+
+    args = ["--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "tp=3", "--batch", "2", "--seq", "8"]
+    want = ("ProgramError: --strategy megatron: model.embed_tokens (vocab): its vocabulary axis has 128 entries, "
+            "not divisible by tp=3")
+    lines = [run_cli_line(capsys, "--engine", engine, *args) for engine in ("spmdkit", "torch")]
+    assert lines == [(2, f"spmdkit run: {want}")] * 2
+    assert main(["plan", *args]) != 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"spmdkit plan: {want}"

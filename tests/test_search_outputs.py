@@ -221,3 +221,22 @@ def test_plan_json_says_whether_it_fits_as_the_text_does() -> None:
     assert rc == 0 and mem["fits"] is False and mem["device_total"] > mem["device_memory"]
     _, out, _ = _cli("plan", "--model", "tiny-llama", "--mesh", "dp=2", "--strategy", "dp", "--json")
     assert "fits" not in json.loads(out)["memory"]  # no --device: no verdict (as the text)
+
+
+def test_the_card_and_the_text_judge_the_search_s_memory_cap(tmp_path: Any) -> None:
+    # a 0.5 GB device, --memory 2GB: the table lists plans that fit in 2 GB (tiny-llama's best needs
+    # about 0.74 GiB per device); the report's 'memory:' line, the JSON's fits and the --html card's
+    # 'fits?' judged it against the 0.5 GB device ('does not fit') while the table said it fits
+    dev = tmp_path / "dev.json"
+    dev.write_text('{"peak_tflops": {"fp32": 10}, "hbm_gb_per_s": 100, "memory_gb": 0.5}')
+    page = tmp_path / "p.html"
+    args = ("plan", "--model", "tiny-llama", "--devices", "2", "--device", str(dev), "--memory", "2GB")
+    rc, out, _ = _cli(*args, "--html", str(page))
+    assert rc == 0 and "configurations that fit in 1.86 GiB per device" in out
+    line = next(x for x in out.splitlines() if x.startswith("memory: "))
+    assert line.startswith("memory: fits with ") and "% of 2 GiB) on a custom device" in line, line
+    assert "fits?<b>fits with " in page.read_text()
+    rc, out, _ = _cli(*args, "--json")
+    got = json.loads(out)
+    assert rc == 0 and got["memory"]["device_memory"] == 2 * 10**9 and got["memory"]["fits"] is True
+    assert 0.5 * 10**9 < got["memory"]["device_total"] <= 2 * 10**9  # over the device's memory, under the cap

@@ -112,6 +112,8 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
                                        m.fallback or "error")
         else:
             verdict = verify_config(best, str(model), req.links.cost)
+    if best is not None and req.search.memory is not None:  # the card and the text judge the search's cap
+        best = _capped(best, res.memory_cap)
     what, *notes = what.split("\n")  # an HF title's warning and note lines stay below its first (as plan's)
     title = "\n".join([f"{what}; best of {n} devices: {best.title}" if best is not None else what, *notes])
     if best is not None:
@@ -278,6 +280,18 @@ def _write_json(res: SearchResult, best: Candidate | None, title: str, verdict: 
     else:
         out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra, est)) + "\n")
     return 0 if verdict is None or verdict["ok"] else 1
+
+
+def _capped(best: Candidate, cap: int) -> Candidate:
+    """``best`` with its estimate's device memory the search's ``--memory`` cap: the report's
+    'memory: fits ...' line, the JSON's ``fits`` and the --html card's 'fits?' then judge the plan
+    against the cap the search table judged it by, not the GPU's own memory (no time changes)."""
+    est = best.estimate
+    if isinstance(est, PipelineEstimate):
+        return replace(best, estimate=replace(est, device_memory=cap))
+    if est is None:
+        return best
+    return replace(best, estimate=replace(est, device=replace(est.device, memory_bytes=cap)))
 
 
 #: The most other configurations the --html page compares with the best one.

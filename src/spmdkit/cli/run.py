@@ -21,7 +21,7 @@ from spmdkit.cli.checks import parse_annotations, parse_tp_plan
 from spmdkit.cli.common import plan_source, strategy_notes
 from spmdkit.cli.request import HF_BATCH, HF_SEQ, RunRequest
 from spmdkit.cli.run_torch import run_torch_command
-from spmdkit.core.errors import ProgramError
+from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.cost.devices import load_device
 from spmdkit.execute.kernel_names import check_kernels
 from spmdkit.execute.launch import (
@@ -104,7 +104,7 @@ def run_command(req: RunRequest, out: TextIO) -> int:
     except RunUsageError as exc:
         print(f"spmdkit run: {exc}", file=sys.stderr)
         return 2
-    except ProgramError as exc:
+    except SpmdError as exc:  # as --engine torch (cli/run_torch.py) and spmdkit plan print it
         print(f"spmdkit run: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 
@@ -291,29 +291,26 @@ def _run_command_with(req: RunRequest, out: TextIO, rank_mode: bool, step: _Step
     if rank_mode:
         world = _env_int("WORLD_SIZE", 1, 1 << 20)
         rank = _env_int("RANK", 0, world - 1)
-    try:
-        mesh = parse_mesh(req.mesh)
-        if "pp" in mesh.dim_names:
-            raise RunUsageError(f"--mesh {req.mesh}: a pp dim (pipeline parallelism) is planned by 'spmdkit plan' "
-                                "(stages, schedule, bubble); 'spmdkit run' executes one step without stages, so it "
-                                "would run pp as a plain replicated dim: drop pp from --mesh")
-        n = mesh.size if req.nproc is None else req.nproc
-        phases = ["planning", f"starting {n} ranks", *(["warm-up"] if req.warmup else []), "step", "checking"]
-        if bar is not None:
-            bar.total = len(phases)
-        if step is None:
-            with strategy_notes("run"):  # --hf / --program strategies' notes, one line each
+    # the planner's errors (an SpmdError) reach run_command, which prints them with their class, as
+    # spmdkit plan and --engine torch do
+    mesh = parse_mesh(req.mesh)
+    if "pp" in mesh.dim_names:
+        raise RunUsageError(f"--mesh {req.mesh}: a pp dim (pipeline parallelism) is planned by 'spmdkit plan' "
+                            "(stages, schedule, bubble); 'spmdkit run' executes one step without stages, so it "
+                            "would run pp as a plain replicated dim: drop pp from --mesh")
+    n = mesh.size if req.nproc is None else req.nproc
+    phases = ["planning", f"starting {n} ranks", *(["warm-up"] if req.warmup else []), "step", "checking"]
+    if bar is not None:
+        bar.total = len(phases)
+    if step is None:
+        with strategy_notes("run"):  # --hf / --program strategies' notes, one line each
+            if bar is not None:
+                bar.update(0, note="planning")
+            try:
+                step = _plan(req, parse_annotations(req.annotate))
+            finally:
                 if bar is not None:
-                    bar.update(0, note="planning")
-                try:
-                    step = _plan(req, parse_annotations(req.annotate))
-                finally:
-                    if bar is not None:
-                        bar.clear()  # the notes, or an error, come next
-    except RunUsageError:
-        raise
-    except ProgramError as exc:
-        raise RunUsageError(str(exc)) from None
+                    bar.clear()  # the notes, or an error, come next
     plan = step.plan
     why = uneven_shards(plan)
     if why:

@@ -373,10 +373,16 @@ def warn_replicated(prog: Program, sharded: Mapping[str, str], user_pats: list[t
     shown = [f"{g} ({k})" if k > 1 else g for g, k in groups.items()]
     more = f" and {len(shown) - 6} more" if len(shown) > 6 else ""
     warnings.warn(f"--strategy megatron: {len(mods)} layer{'s' if len(mods) > 1 else ''} left replicated "
-                  f"over tp, {share:.1%} of the parameters (no column / row role from the graph or the names): "
+                  f"over tp, {share_text(share)} of the parameters (no column / row role from the graph or the names): "
                   f"{', '.join(shown[:6])}{more}; a linear layer can be given a role with --tp-plan", stacklevel=3)
 
 
+def share_text(share: float) -> str:
+    """A share of the parameters as a percentage to one decimal; a share below 0.1% but not zero
+    (a MoE router, a shared_expert_gate: "0.0%" read as none) reads "<0.1%"."""
+    return "<0.1%" if 0 < share < 0.001 else f"{share:.1%}"
+
+
 __all__ = ["DEFAULT_PATTERNS", "ROLES", "annotate_program", "check_patterns", "data_inputs", "forward_readers", "megatron_program",
-           "optimizer_of", "parameters", "regroup_partial_sums", "role_of", "split_fused_projections", "tp_roles", "vocab_parallel_embedding", "vocab_parallel_loss",
+           "optimizer_of", "parameters", "regroup_partial_sums", "role_of", "share_text", "split_fused_projections", "tp_roles", "vocab_parallel_embedding", "vocab_parallel_loss",
            "weight_axes"]
