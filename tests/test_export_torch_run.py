@@ -100,3 +100,14 @@ def test_what_the_file_does_not_apply_is_warned_in_one_line(tmp_path: Path, caps
     assert "--grad-accum 4 (" in warned and "run 4 micro-steps per optimizer step" in warned
     mod, warned = _export(tmp_path, capsys)
     assert (mod.RECOMPUTE, mod.RECOMPUTE_LAYERS, mod.GRAD_ACCUM, warned) == ("none", (), 1, "")
+
+
+def test_a_pipeline_export_states_the_precision_it_was_priced_in(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A pipeline plan's file states --precision as the plan without one does (cli.common's
+    export_plan_file for both: the plan step_estimate returns, carrying the runtime); the pipeline
+    path exported the plan before its runtime was set and wrote PRECISION = None under fp8."""
+    mod, warned = _export(tmp_path, capsys, "--batch", "4", "--seq", "16", "--microbatches", "2",
+                          "--precision", "fp8", mesh="pp=2,tp=2", strategy="megatron")
+    assert mod.PIPELINE is not None and mod.PRECISION == "fp8"
+    assert "--precision fp8" in warned

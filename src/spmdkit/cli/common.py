@@ -166,15 +166,18 @@ def write_html(req: PlanRequest, plan: Plan, title: str, mem: Memory, est: StepE
     print(f"spmdkit plan: wrote {path} ({size / 1024:.0f} KiB)", file=sys.stderr)
 
 
-def export_plan_file(req: PlanRequest, plan: Plan, recompute: str = "none") -> None:
+def export_plan_file(req: PlanRequest, plan: Plan, recompute: str = "none", pipeline: Any = None) -> None:
     """``--export FORMAT FILE``: the plan's shardings for another framework (:mod:`spmdkit.outputs.export`);
     ``torch``: with ``recompute`` (the plan's ``--recompute``), and a warning line naming what the file
-    does not apply (:func:`spmdkit.outputs.export_torch_run.not_applied`)."""
+    does not apply (:func:`spmdkit.outputs.export_torch_run.not_applied`). ``plan``: the one carrying
+    the runtime (``--precision``: the file's ``PRECISION``), as :func:`step_estimate` returns it;
+    ``pipeline``: a pipeline plan's (full mesh, spec, layers per stage), its stages written by the
+    torch file (the callers refuse the other formats for one)."""
     if req.outputs.export:
         fmt, path = req.outputs.export
         if fmt == "torch":
-            export_torch(plan, path, shlex.join(["spmdkit", *req.argv]) if req.argv else "", recompute=recompute)
-            torch_export_note(plan, recompute, False, "plan")
+            export_torch(plan, path, shlex.join(["spmdkit", *req.argv]) if req.argv else "", pipeline, recompute)
+            torch_export_note(plan, recompute, pipeline is not None, "plan")
         else:
             export_plan(plan, fmt, path)
 

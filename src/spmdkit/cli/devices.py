@@ -8,7 +8,6 @@ library), its table printed and the best configuration's plan reported (text or 
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from dataclasses import replace
 from typing import Any, TextIO
@@ -27,8 +26,6 @@ from spmdkit.cli.request import PlanRequest
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.models.source import load
 from spmdkit.models.zoo import model_label, preset
-from spmdkit.outputs.export_torch import export_torch
-from spmdkit.outputs.export_torch_run import note as torch_export_note
 from spmdkit.outputs.pipeline import bubble_line, write_pipeline
 from spmdkit.outputs.progress import Progress
 from spmdkit.outputs.recipe import check_recipe_target, recipe, recipe_warning, write_recipe
@@ -305,13 +302,11 @@ def _write_files(req: PlanRequest, res: SearchResult, best: Candidate, title: st
     export leaves no page behind."""
     est = best.estimate
     if req.outputs.export and isinstance(est, PipelineEstimate):
-        kind, path = req.outputs.export
+        kind = req.outputs.export[0]
         if kind != "torch":
             raise ProgramError(f"--export {kind}: the best configuration ({best.config.label()}) is a pipeline (pp) "
                                "plan, which --export torch writes (its stages), not this format")
-        export_torch(best.plan, path, shlex.join(["spmdkit", *req.argv]) if req.argv else "",
-                     (parse_mesh(best.config.mesh_text), est.spec, est.counts), best.config.recompute)
-        torch_export_note(best.plan, best.config.recompute, True, "plan")
+        export_plan_file(req, best.plan, best.config.recompute, (parse_mesh(best.config.mesh_text), est.spec, est.counts))
     else:
         export_plan_file(req, best.plan, best.config.recompute)
     others = [(c.config.label(), c.plan, c.memory) for c in res.fitting[1:]  # planned whole (a folded: a copy's plan)

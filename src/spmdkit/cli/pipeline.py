@@ -8,7 +8,6 @@ The command that plans, estimates and prints a pipeline (its flags, ``--microbat
 from __future__ import annotations
 
 import json
-import shlex
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -18,6 +17,7 @@ from spmdkit.cli.common import (
     auto_json,
     auto_time_limit,
     catalog_batch,
+    export_plan_file,
     mesh_dp,
     require_simulator,
     step_estimate,
@@ -31,8 +31,6 @@ from spmdkit.cost.devices import Device, cost_model, load_device
 from spmdkit.cost.memory import check_recompute, per_microbatch_mode
 from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile
 from spmdkit.models.zoo import model_label
-from spmdkit.outputs.export_torch import export_torch
-from spmdkit.outputs.export_torch_run import note as torch_export_note
 from spmdkit.outputs.pipeline import bubble_line, write_pipeline
 from spmdkit.outputs.report import explain_table, plan_json, write_report
 from spmdkit.planner.auto.stage import StageSearch, auto_title
@@ -91,10 +89,7 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     config = got.loaded.model.config if got.loaded.model is not None else None
     write_html(req, plan, title, est.memory[worst], _est, config, pipeline=est, auto=got.auto)
     if req.outputs.export:  # --export torch (cli/plan.py refuses the others)
-        counts = got.counts or auto_counts(got.plan, spec.pp * spec.virtual)
-        export_torch(got.plan, req.outputs.export[1], shlex.join(["spmdkit", *req.argv]) if req.argv else "",
-                     (full, spec, counts), recompute)
-        torch_export_note(plan, recompute, True, "plan")
+        export_plan_file(req, plan, recompute, (full, spec, got.counts or auto_counts(got.plan, spec.pp * spec.virtual)))
     verdict = None
     if req.verify:
         require_simulator()
