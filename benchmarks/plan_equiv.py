@@ -19,6 +19,13 @@ pipeline commands had become refusals of their batch unnoticed). ``compare`` pri
 whose outputs differ and exits 1 if any does. The ``--hf`` commands need torch and transformers
 (the imports of tiny configs: dense, GPT-2's fused projection, MoE routed whole and in tp chunks,
 expert parallel, context parallel). Standard library only (but for what ``--hf`` imports).
+
+``snapshot`` then runs :data:`EXPORTS` (``--export`` torch / dtensor / jax / paddle of presets and
+tiny ``--hf`` Llama, Qwen2 tied, Qwen2-MoE, Gemma 3, DeepSeek-V3, Mixtral under tp, ep and etp=1,
+pp, cp, fsdp; ``--export-recipe`` torchtitan / megatron / json of ``--devices`` searches; the
+refusals among them; ``spmdkit run``'s checks before any rank starts), each in ``OUT_DIR/xNN/``
+with its written files, and the recipe files of an uneven pipeline split and each precision
+(``OUT_DIR/recipes.txt``). ``compare`` walks both folders.
 """
 
 from __future__ import annotations
@@ -117,9 +124,84 @@ COMMANDS: list[tuple[str, list[str]]] = [
     ("hf mixtral cp tp sp", _hf("MixtralForCausalLM", _MIXTRAL, "cp=2,tp=2", "megatron,sp,cp", batch=2)),
 ]
 
+_Q2MOE = '{"vocab_size":256,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,' \
+         '"num_key_value_heads":2,"max_position_embeddings":64,"moe_intermediate_size":32,' \
+         '"shared_expert_intermediate_size":64,"num_experts":4,"num_experts_per_tok":2}'
+_GEMMA3 = '{"vocab_size":256,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,' \
+          '"num_key_value_heads":2,"max_position_embeddings":64,"head_dim":16}'
+_QWEN2_TIED = '{"vocab_size":256,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,' \
+              '"num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":64,"tie_word_embeddings":true}'
+def _hfx(*a: str, **kw: int) -> list[str]:
+    return ["plan", *_hf(*a, **kw)]
+
+
+#: the argv word replaced by the command's export file name (``--export KIND @OUT.KIND``)
+OUT = "@OUT"
+
+
+def _ex(kind: str) -> list[str]:
+    return ["--export", kind, f"{OUT}.{kind}"]
+
+
+_SEARCH = ["--model", "llama3-8b", "--layers", "2", "--seq", "512", "--devices", "8", "--recompute", "full",
+           "--global-batch", "64", "--micro-batch", "2", "--strategy", "megatron,sp,zero1"]
+#: (label, argv after ``spmdkit``): the exports (``--export`` torch / dtensor / jax / paddle and
+#: ``--export-recipe``), each run in a folder of its own with ``--json``: the plan, every file the
+#: command wrote, its messages; refusals (exit != 0) are expected among them and compared as such
+EXPORTS: list[tuple[str, list[str]]] = [
+    *[(f"preset tiny-llama megatron {k}", ["plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--strategy",
+                                           "megatron", *_H, *_ex(k)]) for k in ("torch", "dtensor", "jax", "paddle")],
+    ("preset mixtral ep torch", ["plan", "--model", "mixtral-8x7b", "--layers", "2", "--mesh", "dp=2,ep=2,tp=2",
+                                 "--strategy", "megatron,ep", *_H, *_ex("torch")]),
+    *[(f"hf llama megatron {k}", _hfx("LlamaForCausalLM", _TINY, "dp=2,tp=2", "megatron", *_ex(k)))
+      for k in ("torch", "dtensor", "jax", "paddle")],
+    *[(f"hf llama megatron,sp {k}", _hfx("LlamaForCausalLM", _TINY, "dp=2,tp=2", "megatron,sp", *_ex(k)))
+      for k in ("torch", "dtensor")],
+    ("hf llama fsdp torch", _hfx("LlamaForCausalLM", _TINY, "dp=4", "fsdp", *_ex("torch"))),
+    ("hf llama pp2 tp2 torch", _hfx("LlamaForCausalLM", _TINY, "pp=2,tp=2", "megatron", "--microbatches", "2",
+                                   *_ex("torch"))),
+    *[(f"hf llama cp tp sp {k}", _hfx("LlamaForCausalLM", _LLAMA, "cp=2,tp=2", "megatron,sp,cp", *_ex(k), batch=2))
+      for k in ("torch", "dtensor")],
+    *[(f"hf qwen2 tied {k}", _hfx("Qwen2ForCausalLM", _QWEN2_TIED, "dp=2,tp=2", "megatron", *_ex(k)))
+      for k in ("torch", "dtensor")],
+    *[(f"hf qwen2-moe megatron {k}", _hfx("Qwen2MoeForCausalLM", _Q2MOE, "dp=2,tp=2", "megatron", *_ex(k)))
+      for k in ("torch", "dtensor", "jax")],
+    ("hf qwen2-moe megatron,sp torch", _hfx("Qwen2MoeForCausalLM", _Q2MOE, "dp=2,tp=2", "megatron,sp", *_ex("torch"))),
+    *[(f"hf gemma3 {s} {k}", _hfx("Gemma3ForCausalLM", _GEMMA3, "dp=2,tp=2", s, *_ex(k)))
+      for s in ("megatron", "megatron,sp") for k in ("torch", "dtensor")],
+    *[(f"hf deepseek-v3 megatron {k}", _hfx("DeepseekV3ForCausalLM", _DEEPSEEK, "dp=2,tp=2", "megatron", *_ex(k)))
+      for k in ("torch", "dtensor", "paddle")],
+    *[(f"hf mixtral {m} {s} {k}", _hfx("MixtralForCausalLM", _MIXTRAL, m, s, *_ex(k), batch=8))
+      for m, s in (("dp=2,tp=2", "megatron"), ("dp=2,ep=2", "dp,ep"), ("ep=2,tp=2", "megatron,sp,ep,etp=1"))
+      for k in ("torch", "dtensor")],
+    ("hf gpt2 dtensor refused", _hfx("GPT2LMHeadModel", _GPT2, "dp=2,tp=2", "megatron", *_ex("dtensor"))),
+    ("hf gpt2 tp-plan torch", _hfx("GPT2LMHeadModel", _GPT2, "dp=2,tp=2", "megatron", "--tp-plan",
+                                  '{"c_attn": "replicate", "attn.c_proj": "replicate"}', *_ex("torch"))),
+    ("export bad kind", ["plan", "--model", "tiny-llama", "--mesh", "dp=2", "--strategy", "dp", "--export", "onnx",
+                         "x.json"]),
+    ("export no folder", ["plan", "--model", "tiny-llama", "--mesh", "dp=2", "--strategy", "dp", "--export", "jax",
+                          "no/such/x.json"]),
+    *[(f"recipe {k}", ["plan", *_SEARCH, "--export-recipe", k, f"{OUT}.{k}"]) for k in ("torchtitan", "megatron",
+                                                                                        "json")],
+    *[(f"recipe fp8 torchtitan {k}", ["plan", *_SEARCH, "--precision", "fp8", "--framework", "torchtitan",
+                                      "--export-recipe", k, f"{OUT}.{k}"]) for k in ("torchtitan", "json")],
+    ("recipe moe megatron", ["plan", "--model", "mixtral-8x7b", "--layers", "2", "--seq", "512", "--devices", "8",
+                             "--global-batch", "64", "--device", "h100", "--export-recipe", "megatron",
+                             f"{OUT}.megatron"]),
+    ("recipe without devices", ["plan", "--model", "tiny-llama", "--mesh", "dp=2", "--export-recipe", "json",
+                                "r.json"]),
+    # spmdkit run's checks before any rank starts (refusals only: nothing is launched)
+    ("run device", ["run", "--model", "tiny-llama", "--mesh", "dp=2", "--strategy", "dp", "--device", "tpu9"]),
+    ("run kernels", ["run", "--kernels", "torch", "--program", "@CUMMAX", "--mesh", "dp=2", "--annotate",
+                     "x=[0,-1]"]),
+    ("run warmup", ["run", "--model", "tiny-llama", "--mesh", "dp=2", "--strategy", "dp", "--warmup", "-1"]),
+    ("run pp", ["run", "--model", "tiny-llama", "--mesh", "pp=2", "--strategy", "dp"]),
+]
+
 _BLANK = [(re.compile(r"planned in [0-9.]+ s"), "planned in X s"),
           (re.compile(r"solved? (in )?[0-9.]+ s"), "solve X s"),
-          (re.compile(r'"(\w+_seconds)": [0-9.eE+-]+'), r'"\1": 0')]
+          (re.compile(r'"(\w+_seconds)": [0-9.eE+-]+'), r'"\1": 0'),
+          (re.compile(r"^(plan --devices .*)\([0-9.]+ s\)$", re.M), r"\1(X s)")]
 
 
 def _normal(text: str) -> str:
@@ -157,14 +239,75 @@ def snapshot(out_dir: Path, tree: Path, only: str | None) -> int:
             print(f"{k:02d} exit {rc} {label}{' --json' if as_json else ''}", flush=True)
             if rc:
                 refused.append(f"{k:02d} {label}")
+    _exports(out_dir, only)
     if refused:  # every command is meant to plan: a refusal compares only its message
         print(f"{len(refused)} commands did not plan (exit != 0): {', '.join(refused)}", file=sys.stderr)
         return 1
     return 0
 
 
+def _cummax_program(path: Path) -> None:
+    """A program whose one op (cummax) has no torch kernel (``run --kernels torch`` refuses it)."""
+    from spmdkit.program.ir import ProgramBuilder
+
+    b = ProgramBuilder("t")
+    x = b.tensor("x", (4, 3), "float32", "input")
+    b.op("cummax", {"x": x}, [("m", (4, 3), "float32"), ("i", (4, 3), "int64")], axis=0)
+    path.write_text(b.build().dumps())
+
+
+def _exports(out_dir: Path, only: str | None) -> None:
+    """:data:`EXPORTS`, each in ``OUT_DIR/xNN/`` (its files there, ``OUT.*``), with ``--json`` for
+    ``plan``; its exit status, stdout and stderr in ``xNN/run.txt``. Then :func:`_recipes`."""
+    from spmdkit.cli import main
+
+    for k, (label, argv) in enumerate(EXPORTS, 1):
+        if only and only not in label:
+            continue
+        folder = out_dir / f"x{k:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        if "@CUMMAX" in argv:
+            _cummax_program(folder / "cummax.json")
+        args = ["OUT" + a[len(OUT):] if a.startswith(OUT) else "cummax.json" if a == "@CUMMAX" else a for a in argv]
+        if args[0] == "plan":
+            args.append("--json")
+        buf, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err), contextlib.chdir(folder):
+            try:
+                rc = main(args)
+            except SystemExit as exc:
+                rc = exc.code
+        (folder / "run.txt").write_text(f"# {label}: spmdkit {' '.join(args)} -> exit {rc}\n"
+                                        f"{_normal(buf.getvalue())}# stderr\n{_normal(err.getvalue())}")
+        print(f"x{k:02d} exit {rc} {label}", flush=True)
+    if not only or "recipe" in only:
+        _recipes(out_dir / "recipes.txt")
+
+
+def _recipes(path: Path) -> None:
+    """The recipe files of configurations the search does not reach from the command line: an uneven
+    pipeline split (Megatron-LM's layout, torchtitan's split points) and the precisions (bf16, fp8, fp32)."""
+    from spmdkit.outputs.recipe import megatron_args, recipe, recipe_warning, torchtitan_toml
+    from spmdkit.planner.search import Config, config_candidates
+    from spmdkit.program.runtime import Runtime
+
+    out = []
+    for model, cf, over, rt in (("llama3-8b", Config(1, 1, 4, "dp", microbatches=4), (6, 4, 256), None),
+                                ("llama3-8b", Config(2, 1, 2, "dp", microbatches=4), (4, 8, 256), None),
+                                ("llama3-8b", Config(2, 1, 1, "dp"), (2, 4, 64), Runtime(precision="fp8")),
+                                ("tiny-llama", Config(2, 1, 1, "dp,zero3"), (2, 4, 64), None)):
+        layers, batch, seq = over
+        c = next(x for x in config_candidates(model, cf, overrides={"layers": layers, "batch": batch, "seq": seq},
+                                              runtime=rt) if x.config.recompute == "none")
+        r = recipe(c, model, batch, seq, layers)
+        out += [f"# {model} {cf}", json.dumps(r, sort_keys=True, default=str), megatron_args(r), torchtitan_toml(r),
+                str(recipe_warning("torchtitan", r)), str(recipe_warning("megatron", r))]
+    path.write_text("\n".join(out) + "\n")
+
+
 def compare(a: Path, b: Path) -> int:
-    names = sorted({p.name for p in a.iterdir()} | {p.name for p in b.iterdir()})
+    names = sorted({str(p.relative_to(a)) for p in a.rglob("*") if p.is_file()}
+                   | {str(p.relative_to(b)) for p in b.rglob("*") if p.is_file()})
     bad = 0
     for n in names:
         pa, pb = a / n, b / n
