@@ -131,8 +131,8 @@ _GEMMA3 = '{"vocab_size":256,"hidden_size":64,"intermediate_size":128,"num_hidde
           '"num_key_value_heads":2,"max_position_embeddings":64,"head_dim":16}'
 _QWEN2_TIED = '{"vocab_size":256,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,' \
               '"num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":64,"tie_word_embeddings":true}'
-def _hfx(*a: str, **kw: int) -> list[str]:
-    return ["plan", *_hf(*a, **kw)]
+def _hfx(cls: str, config: str, mesh: str, strategy: str, *more: str, batch: int = 4) -> list[str]:
+    return ["plan", *_hf(cls, config, mesh, strategy, *more, batch=batch)]
 
 
 #: the argv word replaced by the command's export file name (``--export KIND @OUT.KIND``)
