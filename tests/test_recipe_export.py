@@ -10,6 +10,7 @@ import json
 import tomllib
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -220,3 +221,30 @@ def test_torchtitan_toml_states_the_precision_and_the_split() -> None:
     doc = tomllib.loads(torchtitan_toml(r))
     assert doc["training"]["mixed_precision_param"] == "float32" and recipe_warning("torchtitan", r) is None
     assert "pipeline_parallel_split_points" not in doc["parallelism"]
+
+
+def test_the_programs_precision_is_the_dtype_most_parameters_have() -> None:
+    """Program.param_dtype, the one rule the step's peak rate and a recipe's precision read: the
+    dtype of most parameters; of dtypes as many, the first declared (the set's hash order picked
+    one before); None without parameters."""
+    from spmdkit.cost.devices import load_device
+    from spmdkit.cost.step import estimate_step
+    from spmdkit.planner.propagate import propagate
+    from spmdkit.program.ir import ProgramBuilder
+    from spmdkit.strategies.strategy import parse_mesh
+
+    def prog(*dtypes: str) -> Any:
+        b = ProgramBuilder("p")
+        b.tensor("x", [8, 16], kind="input")
+        for i, dt in enumerate(dtypes):
+            b.tensor(f"w{i}", [16, 16], dt, kind="parameter")
+            b.op("matmul", {"x": "x" if i == 0 else f"h{i - 1}", "y": f"w{i}"}, [(f"h{i}", [8, 16])])
+        return b.build(True)
+
+    assert prog("float32", "bfloat16", "bfloat16").param_dtype() == "bfloat16"
+    assert prog("bfloat16", "float32").param_dtype() == "bfloat16"
+    assert prog("float32", "bfloat16").param_dtype() == "float32"
+    assert ProgramBuilder("none").build(True).param_dtype() is None
+    h100 = load_device("h100")
+    for p, dt in ((prog("float32", "bfloat16", "bfloat16"), "bfloat16"), (prog("float32", "bfloat16"), "float32")):
+        assert estimate_step(propagate(p, parse_mesh("dp=2"), {"x": [0, -1]}), h100).peak == h100.matmul_peak(dt)

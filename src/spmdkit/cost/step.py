@@ -561,8 +561,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     est = StepEstimate(device, plan.mesh.size, compute, comm_s, kern_total, grad_sync, run.buckets, serial, clock,
                        flops, mflops, nbytes, tokens, mf if tokens else 0.0, n_params, att * accum, comp.uncovered,
                        matmul_s, comp.memory_bound, kern)
-    dtypes = [t.dtype for t in prog.tensors.values() if t.kind == "parameter"]
-    est.peak = device.matmul_peak(max(set(dtypes), key=dtypes.count) if dtypes else "float32")
+    est.peak = device.matmul_peak(prog.param_dtype() or "float32")
     est.recompute = recompute
     est.recompute_flops_per_device = rerun.flops * accum
     est.hardware_flops = (mf + plan.mesh.size * rerun.matmul_flops * accum) if tokens else 0.0

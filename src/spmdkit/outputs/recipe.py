@@ -92,12 +92,11 @@ _PRECISIONS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 def _precision(c: Candidate) -> str:
     """What the plan's linear layers compute in: ``--precision`` where given, else the dtype most of
-    the program's parameters have (as the step's peak rate takes it)."""
+    the program's parameters have (:meth:`spmdkit.program.ir.Program.param_dtype`, as the step's peak rate)."""
     rt = c.plan.runtime
     if rt.precision is not None:
         return rt.precision
-    dtypes = [t.dtype for t in c.plan.program.tensors.values() if t.kind == "parameter"]
-    return _PRECISIONS.get(max(set(dtypes), key=dtypes.count), "fp32") if dtypes else "fp32"
+    return _PRECISIONS.get(c.plan.program.param_dtype() or "float32", "fp32")
 
 
 def _float8(c: Candidate) -> dict[str, Any] | None:

@@ -303,8 +303,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     mf = model_flops(plan, mb_tokens)[0] if flops is None else flops
     est.tokens, est.model_flops = tokens, mf * m if tokens else 0.0
     est.ranks = ranks or plan.mesh.size * p
-    dtypes = [t.dtype for t in plan.program.tensors.values() if t.kind == "parameter"]
-    est.peak = device.matmul_peak(max(set(dtypes), key=dtypes.count) if dtypes else "float32")
+    est.peak = device.matmul_peak(plan.program.param_dtype() or "float32")
     est.device_name = device.name
     est.device_memory = device.memory_bytes
     est.extra["slowest_gpu"] = device.slowest_json()

@@ -206,6 +206,14 @@ def _param_grads(prog: Program) -> frozenset[str]:
                      if prog.tensors[n].kind == "gradient")
 
 
+def _param_dtype(prog: Program) -> str:
+    counts: dict[str, int] = {}
+    for t in prog.tensors.values():
+        if t.kind == "parameter":
+            counts[t.dtype] = counts.get(t.dtype, 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else ""
+
+
 class Program:
     """Tensors and ops in topological order. Build with :class:`ProgramBuilder` or
     :func:`load_program`; :meth:`validate` checks it against the registered rules."""
@@ -262,6 +270,12 @@ class Program:
     def param_grads(self) -> frozenset[str]:
         """The gradients the optimizer-phase ops read (the parameter gradients), found once."""
         return self.derived("param_grads", _param_grads)  # type: ignore[no-any-return]
+
+    def param_dtype(self) -> str | None:
+        """The dtype most of the parameters have (of dtypes as many, the first declared), None
+        without parameters: the precision the program trains in, where no ``--precision`` says
+        (the step's peak matmul rate, a recipe's precision)."""
+        return self.derived("param_dtype", _param_dtype) or None
 
     def live_spans(self) -> tuple[dict[str, int], dict[str, int]]:
         """(the op that makes each tensor, the last op that reads it, or makes it if none does),
