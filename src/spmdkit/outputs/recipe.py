@@ -200,12 +200,6 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _megatron_layout(r: dict[str, Any]) -> str | None:
-    """Megatron-Core's ``--pipeline-model-parallel-layout`` for the recipe's split
-    (:func:`spmdkit.planner.pipeline_split.megatron_layout`; None for an even one)."""
-    return megatron_layout(r.get("layers_per_stage") or [])
-
-
 def megatron_args(r: dict[str, Any]) -> str:
     """Megatron-LM's (``pretrain_gpt.py``) parallelism, batch and recomputation arguments."""
     args = [f"--tensor-model-parallel-size {r['tp']}", f"--pipeline-model-parallel-size {r['pp']}",
@@ -219,8 +213,10 @@ def megatron_args(r: dict[str, Any]) -> str:
     args += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp8": ["--bf16", "--fp8-format hybrid"]}.get(prec, [])
     if r["ep"] > 1 and r["expert_tensor_parallel"] == 1 < r["tp"]:  # ETP = 1: each expert whole
         args.append("--expert-tensor-parallel-size 1")
-    layout = _megatron_layout(r)
-    if layout is not None:  # (it sets the virtual stages too: Megatron-LM takes one of the two)
+    # Megatron-Core's --pipeline-model-parallel-layout for the recipe's split (None for an even one;
+    # it sets the virtual stages too: Megatron-LM takes one of the two)
+    layout = megatron_layout(r.get("layers_per_stage") or [])
+    if layout is not None:
         args.append(f"--pipeline-model-parallel-layout '{layout}'")
     elif r.get("virtual_stages") and r["virtual_stages"] > 1:
         args.append(f"--num-virtual-stages-per-pipeline-rank {r['virtual_stages']}")
