@@ -186,29 +186,6 @@ def _sequence_parallel(mod: str, name: str, pl: Any) -> ExportError:
                        f"needs two (SequenceParallel, then its output all-gathered): use --export torch")
 
 
-def heads_axis(prog: Program, x: str, d: int) -> bool:
-    """Axis ``d`` of ``x`` is a heads axis of ``[batch, seq, heads, head_dim]`` (neither a token
-    axis nor the features a norm reduces): Qwen3's ``q_norm`` / ``k_norm`` run on the heads a
-    column-parallel ``q_proj`` / ``k_proj`` makes, which tp shards. Followed back through the
-    ops that made ``x`` (elementwise ones, same shape in and out, and transposes): Gemma 3's norms
-    run on ``[batch, heads, seq, head_dim]`` (the view transposed first, ``perm (0, 2, 1, 3)``),
-    whose axis 1 is that heads axis, not the sequence."""
-    made = {o: op for op in prog.ops if op.phase == "forward" for o in op.output_names()}
-    for _ in range(8):
-        src, shape = made.get(x), prog.tensors[x].shape
-        perm = src.attrs.get("perm") if src is not None and src.rule == "transpose" else None
-        if src is not None and isinstance(perm, (tuple, list)) and len(perm) == len(shape):
-            x, d = src.inputs["x"], int(perm[d])
-            continue
-        same = [v for v in (src.input_names() if src is not None else []) if v in prog.tensors
-                and prog.tensors[v].shape == shape]
-        if not same:
-            break
-        x = same[0]
-    nd = len(prog.tensors[x].shape)
-    return nd >= 4 and 1 < d < nd - 1
-
-
 def _style_doc(style: str, **kw: Any) -> dict[str, Any]:
     return {"style": style, **kw}
 
@@ -278,6 +255,29 @@ class _DTensorExport:
             raise ExportError(f"{self.flag}: {p}: read as x @ W with W [in, out] (GPT-2's Conv1D, a "
                               f"preset's weights): ColwiseParallel / RowwiseParallel take nn.Linear ([out, in]) "
                               f"and nn.Embedding weights")
+
+    def heads_axis(self, x: str, d: int) -> bool:
+        """Axis ``d`` of ``x`` is a heads axis of ``[batch, seq, heads, head_dim]`` (neither a token
+        axis nor the features a norm reduces): Qwen3's ``q_norm`` / ``k_norm`` run on the heads a
+        column-parallel ``q_proj`` / ``k_proj`` makes, which tp shards. Followed back through the
+        forward ops that made ``x`` (elementwise ones, same shape in and out, and transposes; by
+        :attr:`producers`): Gemma 3's norms run on ``[batch, heads, seq, head_dim]`` (the view
+        transposed first, ``perm (0, 2, 1, 3)``), whose axis 1 is that heads axis, not the sequence."""
+        prog = self.prog
+        for _ in range(8):
+            i, shape = self.producers.get(x), prog.tensors[x].shape
+            src = prog.ops[i] if i is not None and prog.ops[i].phase == "forward" else None
+            perm = src.attrs.get("perm") if src is not None and src.rule == "transpose" else None
+            if src is not None and isinstance(perm, (tuple, list)) and len(perm) == len(shape):
+                x, d = src.inputs["x"], int(perm[d])
+                continue
+            same = [v for v in (src.input_names() if src is not None else []) if v in prog.tensors
+                    and prog.tensors[v].shape == shape]
+            if not same:
+                break
+            x = same[0]
+        nd = len(prog.tensors[x].shape)
+        return nd >= 4 and 1 < d < nd - 1
 
     def uses(self, p: str) -> list[tuple[str, str, int, Op]]:
         """(module path, linear / embedding, output-feature axis, reading op) of each module
@@ -480,14 +480,8 @@ class _DTensorExport:
         input to Replicate once before the w1 / w3 fork (torchtitan b5bcd76,
         torchtitan/models/common/moe_sharding.py _shared_experts_sharding_configs)."""
         assert self.tp is not None
-        parents = [m.split(".")[:-1] for m in mods]
-        common = parents[0]
-        for p in parents[1:]:
-            k = 0
-            while k < min(len(common), len(p)) and common[k] == p[k]:
-                k += 1
-            common = common[:k]
-        path = ".".join(common)
+        # the parents' common path: commonprefix of the lists of names compares them name by name
+        path = ".".join(os.path.commonprefix([m.split(".")[:-1] for m in mods]))  # noqa: RUF071
 
         def inside(m: str) -> bool:
             return bool(path) and (m == path or m.startswith(path + "."))
@@ -577,7 +571,7 @@ class _DTensorExport:
     def norms_on_shards(self) -> None:
         """A module with a replicated 1-D parameter (a norm's weight) that the plan runs on an
         input sharded over tp, whose gradient the plan therefore all-reduces over tp: on a heads
-        axis (Qwen3's ``q_norm`` / ``k_norm``, :func:`heads_axis`) ``SequenceParallel(sequence_dim=d,
+        axis (Qwen3's ``q_norm`` / ``k_norm``, :meth:`heads_axis`) ``SequenceParallel(sequence_dim=d,
         use_local_output=True)``, its weight a replicated DTensor whose ``Partial`` gradient DTensor
         sums over tp; on a token axis (sequence parallel) the refusal of sp plans. Never a plain
         module whose weight's gradient each rank keeps from its own heads."""
@@ -590,7 +584,7 @@ class _DTensorExport:
             if mod in self.styles:
                 continue
             pl = _tp_placement(self.plan.ops[i].required[k], self.tp)
-            if not heads_axis(self.prog, x, pl.dim):
+            if not self.heads_axis(x, pl.dim):
                 raise _sequence_parallel(mod, x, pl)
             d = pl.dim
             self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=True)

@@ -64,7 +64,6 @@ from spmdkit.outputs.export import (
     _tp_placement,
     check_target,
     context_parallel_doc,
-    heads_axis,
     write_atomic_text,
 )
 from spmdkit.outputs.export_torch_mla import STYLE as MLA_STYLE
@@ -291,7 +290,7 @@ class _TorchExport(_DTensorExport):
             if mod in self.styles:
                 continue
             d = _tp_placement(self.plan.ops[i].required[k], self.tp).dim
-            if heads_axis(self.prog, op.inputs[k], d):  # Qwen3's q_norm / k_norm on the heads of a column layer
+            if self.heads_axis(op.inputs[k], d):  # Qwen3's q_norm / k_norm on the heads of a column layer
                 self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=True)
                 self.notes.append(f"{mod}: runs on the heads a column layer makes, Shard({d}) over tp: its "
                                   f"weight a replicated DTensor, its gradient all-reduced over tp")
