@@ -51,20 +51,19 @@ class MaskRecord:
 
     #: masks not built (HF's sdpa skip, the padding known absent): attention is causal sdpa
     skipped: int = 0
-    #: masks the model asked to have built (``allow_is_causal_skip=False``) that are the plain
-    #: causal pattern HF would skip, with their version counters when built: handed unchanged to
-    #: an ``sdpa`` call, that call runs causal with no mask (:func:`_counted`)
-    plain: list[tuple[Any, int]] = field(default_factory=list)
-    #: ``sdpa`` calls handed one of :attr:`plain` that ran causal without it
+    #: ``sdpa`` calls handed a plain causal mask of :attr:`built` that ran causal without it
     dropped: int = 0
     #: why a mask was built anyway, once each (``"sliding window 4096 < seq 8192"``)
     kept: list[str] = field(default_factory=list)
     #: calls of the ``sdpa`` attention function
     sdpa_calls: int = 0
-    #: the masks built (mask, why), and those an ``sdpa`` call was handed: a mask no attention
+    #: the masks built (mask, why, plain), and those an ``sdpa`` call was handed: a mask no attention
     #: reads (Qwen2-MoE builds a sliding-window mask of window 0 beside the causal one, and every
-    #: layer is full attention) is no reason; :meth:`settle` keeps the reasons of the masks read
-    built: list[tuple[Any, str]] = field(default_factory=list)
+    #: layer is full attention) is no reason; :meth:`settle` keeps the reasons of the masks read.
+    #: ``plain``: for a mask the model asked to have built (``allow_is_causal_skip=False``) that is
+    #: the plain causal pattern HF would skip, its version counter when built (handed unchanged to
+    #: an ``sdpa`` call, that call runs causal with no mask: :func:`_counted`), else None
+    built: list[tuple[Any, str, int | None]] = field(default_factory=list)
     read: list[Any] = field(default_factory=list)
 
     @property
@@ -81,9 +80,9 @@ class MaskRecord:
         """The built masks' reasons into :attr:`kept`: those of the masks an sdpa call read, or all
         of them where no call went through sdpa or one read a mask that is none of them (the model
         changed it: a bias added, a slice taken)."""
-        mine = [why for m, why in self.built if any(m is r for r in self.read)]
-        if not self.sdpa_calls or any(not any(r is m for m, _why in self.built) for r in self.read):
-            mine = [why for _m, why in self.built]
+        mine = [why for m, why, _v in self.built if any(m is r for r in self.read)]
+        if not self.sdpa_calls or any(not any(r is m for m, _why, _v in self.built) for r in self.read):
+            mine = [why for _m, why, _v in self.built]
         for why in mine:
             self.keep(why)
 
@@ -107,7 +106,7 @@ def _skip_reason(kv_length: int, q_length: int, q_offset: Any, local_size: int |
 def _causal_mask_fn(record: MaskRecord, hf_mask: Any, causal_fn: Any) -> Any:
     """HF's ``sdpa`` mask function ``hf_mask`` skipping where HF's eager mode would. A mask the
     model asks to have built (``allow_is_causal_skip=False``: Falcon, to add ALiBi onto it) is
-    built, and recorded in :attr:`MaskRecord.plain` where it is the plain causal pattern HF's
+    built, and recorded in :attr:`MaskRecord.built` as plain where it is the causal pattern HF's
     eager sdpa skips (``_ignore_causal_mask_sdpa`` on an unpadded batch): made of
     ``masking_utils.causal_mask_function`` itself, ``causal_fn`` (``create_causal_mask`` wraps
     it for overlays, packed sequences or blocks; a window or chunks are other functions), no
@@ -124,11 +123,10 @@ def _causal_mask_fn(record: MaskRecord, hf_mask: Any, causal_fn: Any) -> Any:
         made = hf_mask(batch_size, q_length, kv_length, q_offset, kv_offset, *args, local_size=local_size,
                        allow_is_causal_skip=allow_is_causal_skip,
                        allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
-        record.built.append((made, why))
         fn = kwargs.get("mask_function", args[0] if args else None)
-        if made is not None and fn is causal_fn and not allow_is_bidirectional_skip and _skip_reason(
-                kv_length, q_length, q_offset, local_size, True, False) is None:
-            record.plain.append((made, made._version))
+        plain = made is not None and fn is causal_fn and not allow_is_bidirectional_skip and _skip_reason(
+            kv_length, q_length, q_offset, local_size, True, False) is None
+        record.built.append((made, why, made._version if plain else None))
         return made
 
     return mask
@@ -138,7 +136,8 @@ def _counted(record: MaskRecord, fn: Any) -> Any:
     def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
         record.sdpa_calls += 1
         if attention_mask is not None and kwargs.get("position_bias") is None and any(
-                attention_mask is m and attention_mask._version == v for m, v in record.plain):
+                attention_mask is m and v is not None and attention_mask._version == v
+                for m, _why, v in record.built):
             # the plain causal mask, unchanged since built: HF's sdpa skip, taken at the call
             record.dropped += 1
             attention_mask, kwargs = None, {**kwargs, "is_causal": True}
