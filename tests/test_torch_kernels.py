@@ -23,6 +23,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 
 from conftest import run_cli_line  # noqa: E402
+from spmdkit.cli import main  # noqa: E402
 from spmdkit.core.errors import SpmdError  # noqa: E402
 from spmdkit.execute.check import TOLERANCES  # noqa: E402
 from spmdkit.execute.kernels import NoTorchKernelError, check_kernels, missing_kernels  # noqa: E402
@@ -89,9 +90,13 @@ def test_an_op_without_a_torch_kernel_is_refused_by_name(capsys: pytest.CaptureF
     f.write_text(prog.dumps())
     rc, line = run_cli_line(capsys, "--kernels", "torch", "--program", str(f), "--mesh", "dp=2",
                             "--annotate", "x=[0,-1]")
-    assert rc == 2 and "no torch kernel for cummax" in line and "--kernels numpy" in line, line
+    assert rc == 2 and line.startswith("spmdkit run: NoTorchKernelError: --kernels torch: no torch kernel for "
+                                       "cummax (op ") and "--kernels numpy" in line, line
+    # an unknown --device prints as spmdkit plan prints it: with its class (it printed without)
     rc, line = run_cli_line(capsys, "--kernels", "torch", "--mesh", "dp=2", "--strategy", "dp", "--device", "tpu9")
-    assert rc == 2 and "tpu9" in line, line
+    assert rc == 2 and line.startswith("spmdkit run: ProgramError: --device 'tpu9': no such preset ("), line
+    assert main(["plan", "--model", "tiny-llama", "--mesh", "dp=2", "--strategy", "dp", "--device", "tpu9"]) == 2
+    assert capsys.readouterr().err.strip() == line.replace("spmdkit run:", "spmdkit plan:", 1)
     rc, line = run_cli_line(capsys, "--mesh", "dp=2", "--strategy", "dp", "--warmup", "-1")
     assert rc == 2 and "--warmup -1: must be at least 0" in line, line
 

@@ -238,17 +238,13 @@ def _plan_hf_step(req: RunRequest, user: dict[str, Any]) -> _Step:
 
 
 def _check_kernels_and_device(req: RunRequest, plan: Plan) -> None:
-    """--kernels torch: every op has a torch kernel; --device: a known device (both before any rank starts)."""
+    """--kernels torch: every op has a torch kernel; --device: a known device (both before any rank
+    starts). Their errors reach run_command as raised, and print with their class as spmdkit plan
+    prints the same --device's (``spmdkit run: ProgramError: --device 'tpu9': no such preset ...``)."""
     if req.kernels == "torch":  # (by the names of the kernels: the launcher imports no torch)
-        try:
-            check_kernels(plan.program)
-        except ProgramError as exc:
-            raise RunUsageError(str(exc)) from None
+        check_kernels(plan.program)
     if req.device is not None:
-        try:
-            load_device(req.device)
-        except ProgramError as exc:
-            raise RunUsageError(str(exc)) from None
+        load_device(req.device)
 
 
 def _env_int(name: str, lo: int, hi: int) -> int:
