@@ -113,7 +113,7 @@ def test_errors_name_what_is_wrong(tiny_plan: Any, tmp_path: Path) -> None:
 
 
 def test_write_is_atomic(tiny_plan: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import spmdkit.outputs.export as export
+    import spmdkit.outputs.export_common as export  # (where the atomic writing lives)
 
     path = tmp_path / "plan.json"
     path.write_text("old")

@@ -16,7 +16,7 @@ counts (``PLAN_COLLECTIVES``), and what the plan priced beyond its shardings (``
 the helper functions it defines, ``parallelize``) is written by :mod:`spmdkit.outputs.export_torch_text`.
 
 The styles come from the plan, as the ``dtensor`` export derives them
-(:class:`spmdkit.outputs.export._DTensorExport`), with what that export refuses resolved:
+(:class:`spmdkit.outputs.export_dtensor._DTensorExport`), with what that export refuses resolved:
 
 - sequence parallel: a norm whose input the plan holds ``Shard(1)`` over tp is
   ``SequenceParallel``; a row layer (or the vocab-parallel embedding) whose partial output the
@@ -55,17 +55,8 @@ import re
 from typing import Any
 
 from spmdkit.core.placements import Shard
-from spmdkit.outputs.export import (
-    ExportError,
-    _DTensorExport,
-    _placement_text,
-    _reduced_to,
-    _style_doc,
-    _tp_placement,
-    check_target,
-    context_parallel_doc,
-    write_atomic_text,
-)
+from spmdkit.outputs.export_common import ExportError, _placement_text, check_target, write_atomic_text
+from spmdkit.outputs.export_dtensor import _DTensorExport, _reduced_to, _style_doc, _tp_placement, context_parallel_doc
 from spmdkit.outputs.export_torch_mla import STYLE as MLA_STYLE
 from spmdkit.outputs.export_torch_mla import STYLE_SOURCE as MLA_SOURCE
 from spmdkit.outputs.export_torch_mla import broadcast_key_styles

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from spmdkit.outputs.export import ExportError, _tp_placement
+from spmdkit.outputs.export_common import ExportError
+from spmdkit.outputs.export_dtensor import _tp_placement
 from spmdkit.program.ir import Op, Program
 from spmdkit.program.plan import Plan
 

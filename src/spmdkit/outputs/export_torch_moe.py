@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from spmdkit.outputs.export import ExportError, _placement_text, _tp_placement
+from spmdkit.outputs.export_common import ExportError, _placement_text
+from spmdkit.outputs.export_dtensor import _tp_placement
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.experts import moe_layers
 from spmdkit.strategies.hf_moe import moe_ends, moe_projections

@@ -10,7 +10,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from spmdkit.outputs.export import ExportError
+from spmdkit.outputs.export_common import ExportError
 from spmdkit.planner.pipeline_split import PipelineSpec, op_stages
 from spmdkit.planner.stage_costs import shared_parameters
 from spmdkit.program.layers import layer_tags
