@@ -240,3 +240,30 @@ def test_the_card_and_the_text_judge_the_search_s_memory_cap(tmp_path: Any) -> N
     got = json.loads(out)
     assert rc == 0 and got["memory"]["device_memory"] == 2 * 10**9 and got["memory"]["fits"] is True
     assert 0.5 * 10**9 < got["memory"]["device_total"] <= 2 * 10**9  # over the device's memory, under the cap
+
+
+def test_pipeline_json_says_whether_the_fullest_rank_fits(tmp_path: Any) -> None:
+    # the text ends 'fullest pipeline rank R: ...; fits with ... / does not fit by ...'; a pipeline's JSON
+    # (plan --mesh pp=..., and --devices with a pipeline best) had the fullest rank's bytes alone
+    argv = ["plan", "--model", "tiny-llama", "--mesh", "pp=2,dp=2", "--strategy", "dp", "--microbatches", "2"]
+    _, text, _ = _cli(*argv, "--device", "h100")
+    rc, out, err = _cli(*argv, "--device", "h100", "--json")
+    d = json.loads(out)
+    mem, ranks = d["memory"], d["pipeline"]["devices"]
+    assert rc == 0 and mem["device_memory"] == 80 * 2**30 and mem["fits"] is True, err
+    assert mem["device_total"] == max(r["memory"]["device_total"] for r in ranks) and "; fits with" in text
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({"base": "h100", "memory_gb": 0.001}))  # 10^6 bytes
+    rc, out, err = _cli(*argv, "--device", str(small), "--json")
+    mem = json.loads(out)["memory"]
+    assert rc == 0 and mem["device_memory"] == 10**6 and mem["fits"] is False, err
+    _, out, _ = _cli(*argv, "--json")
+    assert "fits" not in json.loads(out)["memory"]  # no --device: no verdict (as the text)
+    cfg = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "num_hidden_layers": 5, "vocab_size": 32000}  # only pp=2 fits 1.3 GiB (as above)
+    rc, out, err = _cli("plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(cfg), "--devices", "2",
+                        "--strategy", "dp", "--recompute", "none", "--seq", "64", "--batch", "4", "--memory", "1.3GiB",
+                        "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["pipeline"]["pp"] == 2, err
+    assert d["memory"]["device_memory"] == int(1.3 * 2**30) and d["memory"]["fits"] is True  # the search's cap

@@ -26,7 +26,7 @@ from spmdkit.cli.request import PlanRequest
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.models.source import load
 from spmdkit.models.zoo import model_label, preset
-from spmdkit.outputs.pipeline import bubble_line, write_pipeline
+from spmdkit.outputs.pipeline import bubble_line, pipeline_plan_json, write_pipeline
 from spmdkit.outputs.progress import Progress
 from spmdkit.outputs.recipe import check_recipe_target, recipe, recipe_warning, write_recipe
 from spmdkit.outputs.report import plan_json, write_report
@@ -273,7 +273,7 @@ def _write_json(res: SearchResult, best: Candidate | None, title: str, verdict: 
     if isinstance(est, PipelineEstimate):  # a pp configuration
         extra["pipeline"] = est.to_json()
         extra["bubble_hint"] = hint.to_json() if hint is not None else None
-        out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra)) + "\n")
+        out.write(json.dumps(pipeline_plan_json(best.plan, est, best.memory_detail, extra)) + "\n")
     else:
         out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra, est)) + "\n")
     return 0 if verdict is None or verdict["ok"] else 1

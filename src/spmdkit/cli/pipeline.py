@@ -31,8 +31,8 @@ from spmdkit.cost.devices import Device, cost_model, load_device
 from spmdkit.cost.memory import check_recompute, per_microbatch_mode
 from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile
 from spmdkit.models.zoo import model_label
-from spmdkit.outputs.pipeline import bubble_line, write_pipeline
-from spmdkit.outputs.report import explain_table, plan_json, write_report
+from spmdkit.outputs.pipeline import bubble_line, pipeline_plan_json, write_pipeline
+from spmdkit.outputs.report import explain_table, write_report
 from spmdkit.planner.auto.stage import StageSearch, auto_title
 from spmdkit.planner.bubble import bubble_hint
 from spmdkit.planner.pipeline import estimate_pipeline
@@ -108,7 +108,7 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
             extra["verify"] = verdict
         if got.auto is not None:
             extra["auto"] = auto_json(got.auto, None)
-        out.write(json.dumps(plan_json(plan, est.memory[worst], extra)) + "\n")
+        out.write(json.dumps(pipeline_plan_json(plan, est, est.memory[worst], extra)) + "\n")
     else:
         if est.note:
             out.write(est.note + "\n")
