@@ -143,6 +143,10 @@ def test_verify_with_pp(capsys: pytest.CaptureFixture[str]) -> None:
     (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--schedule", "interleaved", "--microbatches", "6"],
      "not a multiple of pp=4"),
     (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--schedule", "zigzag"], "--schedule 'zigzag': unknown"),
+    # one model chunk a device is no interleaving in Megatron-LM (1F1B) and refused by torchtitan; priced as
+    # interleaved it held 2 (p - r - 1) + 1 microbatches in flight, where 1F1B holds p - r
+    (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--schedule", "interleaved", "--virtual-stages", "1"],
+     "--virtual-stages 1: the interleaved schedule runs at least 2 model chunks a device"),
     (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--microbatches", "65536", "--virtual-stages", "4"],
      "forward units to simulate"),
     (["--model", "llama-7b", "--mesh", "dp=2,pp=4,tp=2", "--annotate", "tokens=[1,-1]"],
