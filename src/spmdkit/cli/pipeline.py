@@ -39,6 +39,7 @@ from spmdkit.planner.pipeline import estimate_pipeline
 from spmdkit.planner.pipeline_plan import PipelinePlan, plan_pipeline_source, pp_cost_text, sub_mesh_text
 from spmdkit.planner.pipeline_split import PipelineSpec, auto_counts, parse_spec
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_cost, parse_size
+from spmdkit.planner.schedules import interleaved_p2p_problem
 from spmdkit.strategies.strategy import parse_mesh
 
 
@@ -62,6 +63,10 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     spec_args = {"microbatches": p.microbatches, "schedule": p.schedule, "virtual": p.virtual_stages,
                  "stages": p.stages, "group": p.microbatch_group}
     spec = parse_spec(sub_mesh_text(full)[0], **spec_args)
+    runtime = req.links.runtime()
+    if spec.schedule == "interleaved" and (why := interleaved_p2p_problem(spec.pp, runtime.p2p_overlap,
+                                                                          runtime.framework)) is not None:
+        raise ProgramError(f"{why}: give pp of 3 or more, --schedule 1f1b, or drop --no-p2p-overlap")
     recompute = check_recompute(req.recompute or "none", pipeline=True)
     source = _source(req, spec.microbatches)
     if req.verify and isinstance(source, ProgramFile):
