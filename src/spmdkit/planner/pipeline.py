@@ -471,7 +471,8 @@ def _torch_rank(plan: Plan, costs: list[StageCost], schedule: str, p: int, v: in
         out = s.send_bytes if k < n - 1 else logits
         chunks.append(ChunkBytes(max(0, s.stash_bytes - got), max(0, s.working_peak - got), s.parameters,
                                  s.optimizer_states, s.gradients, s.unsharded_parameters, s.unsharded_gradients,
-                                 got, out, s.send_bytes if k < n - 1 else 0, s.gather_pool, s.rs_held))
+                                 got, out, s.send_bytes if k < n - 1 else 0, s.gather_pool, s.rs_held,
+                                 fsdp=s.unsharded_gradients > 0))
     peak = torch_rank_memory(chunks, order, m)
     mine = [costs[c * p + r] for c in range(v)]
     peak_op = max(mine, key=lambda c: c.working_peak).peak_op
