@@ -220,3 +220,30 @@ def test_torchtitan_toml_states_the_precision_and_the_split() -> None:
     doc = tomllib.loads(torchtitan_toml(r))
     assert doc["training"]["mixed_precision_param"] == "float32" and recipe_warning("torchtitan", r) is None
     assert "pipeline_parallel_split_points" not in doc["parallelism"]
+
+
+@pytest.mark.parametrize(("variant", "megatron", "titan"), [
+    ("", "all_gather", "allgather"), (",cp-attention=ring", "p2p", "alltoall"), (",cp-attention=alltoall", "a2a", None)])
+def test_a_cp_recipe_states_the_attention_the_plan_priced(variant: str, megatron: str, titan: str | None) -> None:
+    """The search prices three attentions over a split sequence (planner.search_space.CP_VARIANTS); the
+    recipes said the degree alone, so Megatron-LM ran its default --cp-comm-type p2p (the ring) whatever was
+    priced, and torchtitan its default rotate method (allgather)."""
+    c = next(x for x in config_candidates("llama3-8b", Config(1, 1, 1, f"dp,cp{variant}", cp=2),
+                                          overrides={"layers": 2, "batch": 2, "seq": 1024})
+             if x.config.recompute == "none")
+    r = recipe(c, "llama3-8b", 2, 1024, 2)
+    assert r["context_parallel"] == 2 and r["cp_attention"] == (variant.split("=")[1] if variant else "allgather")
+    pairs = dict(itertools.pairwise(megatron_args(r).replace("\\\n", "").split()))
+    assert pairs["--context-parallel-size"] == "2" and pairs["--cp-comm-type"] == megatron
+    par = tomllib.loads(torchtitan_toml(r))["parallelism"]
+    warning = recipe_warning("torchtitan", r) or ""
+    if titan is None:  # Ulysses: torch's context_parallel has none; said, and its default written
+        assert par["context_parallel_rotate_method"] == "allgather" and "has no torchtitan form" in warning
+    else:
+        assert par["context_parallel_rotate_method"] == titan and "cp attention" not in warning
+    flat = next(x for x in config_candidates("llama3-8b", Config(2, 1, 1, "dp"),
+                                             overrides={"layers": 2, "batch": 2, "seq": 1024})
+                if x.config.recompute == "none")
+    r = recipe(flat, "llama3-8b", 2, 1024, 2)
+    assert "cp_attention" not in r and "--cp-comm-type" not in megatron_args(r)
+    assert "context_parallel_rotate_method" not in tomllib.loads(torchtitan_toml(r))["parallelism"]
