@@ -77,6 +77,11 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
             if runtime.ep_comm_overlap and devices:
                 raise ProgramError("--ep-comm-overlap: applies to one plan (--mesh with ep, with or without pp); the "
                                    "--devices search does not choose it")
+            if runtime.tp_comm_overlap and runtime.framework == "torchtitan" and not runtime.compile:
+                # torchtitan 820504e parallelize_llama: 'Async TP requires --training.compile' (a RuntimeError)
+                raise ProgramError("--tp-comm-overlap with --framework torchtitan: torch's async TP runs only "
+                                   "compiled (torchtitan raises 'Async TP requires --training.compile'); give "
+                                   "--compile too")
             if runtime.tp_comm_overlap and not devices and not req.search.auto:
                 _check_tp_comm_overlap(req)
             for flag, given in (("--no-p2p-overlap", not runtime.p2p_overlap),
