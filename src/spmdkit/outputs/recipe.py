@@ -83,6 +83,9 @@ def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -
             # the split the plan priced, layers per (virtual) stage in Megatron-Core's order (chunk x pp + rank)
             "layers_per_stage": list(c.estimate.counts) if isinstance(c.estimate, PipelineEstimate) else None,
             "precision": _precision(c),
+            # the overlaps the step was priced with (docs/devices.md, "Overlaps")
+            "grad_overlap": c.plan.runtime.grad_overlap, "tp_comm_overlap": c.plan.runtime.tp_comm_overlap,
+            "compile": bool(c.plan.runtime.compile),
             **({"float8": f8} if (f8 := _float8(c)) is not None else {}),
             "predicted": {"step_s": c.step_s, "mfu": c.mfu, "memory_per_device": c.memory,
                           "tokens_per_s": global_batch * seq / c.step_s if c.step_s > 0 else None}}
@@ -201,6 +204,10 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
     # Training.mixed_precision_param, "bfloat16" or "float32"; fp8's linears run beside bf16 ones)
     prec = r.get("precision", "fp32")
     sections["training"]["mixed_precision_param"] = "float32" if prec == "fp32" else "bfloat16"
+    if r.get("compile"):  # the blocks priced compiled (--compile; 820504e Training.compile, off by default)
+        sections["training"]["compile"] = True
+    if r.get("tp_comm_overlap") and r["tp"] > 1:  # torch's async TP (Parallelism.enable_async_tensor_parallel)
+        sections["parallelism"]["enable_async_tensor_parallel"] = True
     if r.get("float8"):  # torchao's float8 linears: the converter and its [float8] section
         sections["model"] = {"converters": ["float8"]}
         sections["float8"] = r["float8"]
@@ -249,6 +256,15 @@ def megatron_args(r: dict[str, Any]) -> str:
         args.append(f"--num-virtual-stages-per-pipeline-rank {r['virtual_stages']}")
     if r["sequence_parallel"]:
         args.append("--sequence-parallel")
+    if r.get("tp_comm_overlap") and r["tp"] > 1:  # Transformer Engine's userbuffers overlap (off by default)
+        args.append("--tp-comm-overlap")
+    if r.get("grad_overlap", True) and r["zero"] <= 1 and r["devices"] // (r["tp"] * r["pp"]) > 1:
+        # the step was priced with the gradient buckets reduced under the backward and (the distributed optimizer)
+        # the parameters gathered under the next forward: both off by default in Megatron-LM (d98e8a64dd
+        # arguments.py: --overlap-grad-reduce and --overlap-param-gather, store_true); Megatron-FSDP turns them on
+        args.append("--overlap-grad-reduce")
+        if r["zero"] == 1:
+            args.append("--overlap-param-gather")
     if r["zero"] >= 2:  # Megatron-FSDP (megatron/training/arguments.py; megatron/core/distributed/README.md)
         args += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {MEGATRON_FSDP[r['zero']]}",
                  "--ckpt-format fsdp_dtensor", "--init-model-with-meta-device"]
