@@ -69,8 +69,9 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
                   f"(one more warm-up forward per device)\n")
     when = "each microbatch's backward (Megatron-FSDP: its ZeRO gradients reduce-scattered in every one)" \
         if any(c.each for c in est.stages) else "the last backward"
-    out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
-              f"reductions overlapping {when}\n")
+    how = f"with the gradient reductions overlapping {when}" if est.grad_overlap else \
+        "with the gradient reductions after the last backward (--no-grad-overlap)"
+    out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} {how}\n")
     if est.tokens:
         out.write(f"tokens/s: {est.tokens_per_s or 0:,.0f} ({est.tokens} tokens per step); MFU "
                   f"{100 * (est.mfu or 0):.1f}% ({est.tflops_per_gpu or 0:.0f} model TFLOP/s per GPU over "

@@ -140,6 +140,9 @@ class PipelineEstimate:
     #: per device: the all-reduce of the tied parameters' gradients among the stages holding a copy
     #: (:func:`spmdkit.planner.stage_costs.shared_parameters`), after its gradient reductions
     tied_s: list[float] = field(default_factory=list)
+    #: the data-parallel gradient reductions start under the last backward (False: ``--no-grad-overlap``,
+    #: after it, :func:`step_times`)
+    grad_overlap: bool = True
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -307,6 +310,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     est.peak = device.matmul_peak(max(set(dtypes), key=dtypes.count) if dtypes else "float32")
     est.device_name = device.name
     est.device_memory = device.memory_bytes
+    est.grad_overlap = plan.runtime.grad_overlap
     est.extra["slowest_gpu"] = device.slowest_json()
     return est
 
