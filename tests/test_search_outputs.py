@@ -268,3 +268,13 @@ def test_pipeline_json_says_whether_the_fullest_rank_fits(tmp_path: Any) -> None
     d = json.loads(out)
     assert rc == 0 and d["pipeline"]["pp"] == 2, err
     assert d["memory"]["device_memory"] == int(1.3 * 2**30) and d["memory"]["fits"] is True  # the search's cap
+
+
+def test_plan_refused_export_leaves_no_page(tmp_path: Any) -> None:
+    # plan --mesh with a pp dim and plan --auto wrote --html before the export was refused (exit 2 and a page
+    # of a plan not exported), as --devices did before dc1a920; plan without either exported first already
+    page, exp = tmp_path / "p.html", tmp_path / "x.py"
+    for mesh in (["--mesh", "dp=2,pp=2", "--strategy", "dp"], ["--mesh", "dp=2,tp=2", "--auto"],
+                 ["--mesh", "dp=2,tp=2"]):
+        rc, _out, err = _cli("plan", "--model", "tiny-llama", *mesh, "--html", str(page), "--export", "torch", str(exp))
+        assert rc == 2 and "ExportError: --export torch" in err and sorted(tmp_path.iterdir()) == [], (mesh, err)

@@ -92,9 +92,10 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     if isinstance(source, HFModel):  # the import's warning and note lines, below the first
         title = "\n".join([title, *got.loaded.title.split("\n")[1:]])
     config = got.loaded.model.config if got.loaded.model is not None else None
-    write_html(req, plan, title, est.memory[worst], _est, config, pipeline=est, auto=got.auto)
-    if req.outputs.export:  # --export torch (cli/plan.py refuses the others)
+    if req.outputs.export:  # --export torch (cli/plan.py refuses the others); before the page: a refused
+        # export leaves none behind
         export_plan_file(req, plan, recompute, (full, spec, got.counts or auto_counts(got.plan, spec.pp * spec.virtual)))
+    write_html(req, plan, title, est.memory[worst], _est, config, pipeline=est, auto=got.auto)
     verdict = None
     if req.verify:
         require_simulator()

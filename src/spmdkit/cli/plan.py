@@ -295,8 +295,8 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
     recompute = block_recompute(plan.program, recompute)
     plan, est = step_estimate(req.links, plan, config, recompute)
     mem = memory_per_device(plan, recompute)
+    export_plan_file(req, plan, recompute)  # before the page: a refused export leaves none behind
     write_html(req, plan, title, mem, est, config, recompute=recompute, auto=info)
-    export_plan_file(req, plan, recompute)
     verdict = None
     if req.verify:
         require_simulator()
