@@ -278,3 +278,12 @@ def test_plan_refused_export_leaves_no_page(tmp_path: Any) -> None:
                  ["--mesh", "dp=2,tp=2"]):
         rc, _out, err = _cli("plan", "--model", "tiny-llama", *mesh, "--html", str(page), "--export", "torch", str(exp))
         assert rc == 2 and "ExportError: --export torch" in err and sorted(tmp_path.iterdir()) == [], (mesh, err)
+
+
+def test_nothing_fits_names_the_cap_as_the_table_does() -> None:
+    # the last line rounded the cap to a tenth of a GiB: a --memory 80 (a byte count) read 'fits in 0.0 GiB'
+    # under the table's 'fit in 80 B', a 700 MB one 'fits in 0.7 GiB' under 'fit in 667.57 MiB'
+    for cap, said in (("80", "80 B"), ("700MB", "667.57 MiB")):
+        rc, out, _ = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--memory", cap)
+        assert rc == 1 and f"configurations that fit in {said} per device" in out
+        assert out.strip().splitlines()[-1].startswith(f"no configuration fits in {said} per device: the least needs ")
