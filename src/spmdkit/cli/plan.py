@@ -89,6 +89,11 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
                 if given and not devices and not wants_pipeline(req):  # (accepted before, and changed nothing)
                     raise ProgramError(f"{flag}: applies to a pipeline's stage-to-stage sends; --mesh "
                                        f"{req.mesh_text} has no pp dim")
+            mesh_dims = dict(zip(parse_mesh(req.mesh_text).dim_names, parse_mesh(req.mesh_text).shape))
+            if runtime.pp_scatter_gather and not devices and mesh_dims.get("tp", 1) == 1:
+                # (accepted before, and changed nothing: no tp rank to send a share; stage_costs.scattered)
+                raise ProgramError(f"--pp-scatter-gather: each tp rank sends 1/tp of a pipeline tensor; --mesh "
+                                   f"{req.mesh_text} has no tp dim of more than one rank")
             if req.outputs.recipe is not None and not devices:
                 raise ProgramError("--export-recipe: applies to --devices (the search's best recipe); give --devices N")
             width = None if req.outputs.json else terminal_width(out, req.outputs.wide)
