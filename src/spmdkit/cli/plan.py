@@ -89,8 +89,7 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
                 if given and not devices and not wants_pipeline(req):  # (accepted before, and changed nothing)
                     raise ProgramError(f"{flag}: applies to a pipeline's stage-to-stage sends; --mesh "
                                        f"{req.mesh_text} has no pp dim")
-            mesh_dims = dict(zip(parse_mesh(req.mesh_text).dim_names, parse_mesh(req.mesh_text).shape))
-            if runtime.pp_scatter_gather and not devices and mesh_dims.get("tp", 1) == 1:
+            if runtime.pp_scatter_gather and not devices and _tp_ranks(req.mesh_text) == 1:
                 # (accepted before, and changed nothing: no tp rank to send a share; stage_costs.scattered)
                 raise ProgramError(f"--pp-scatter-gather: each tp rank sends 1/tp of a pipeline tensor; --mesh "
                                    f"{req.mesh_text} has no tp dim of more than one rank")
@@ -109,6 +108,12 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
             msg = msg[:500] + "..."
         print(f"spmdkit plan: {type(exc).__name__}: {msg}", file=sys.stderr)
         return 2
+
+
+def _tp_ranks(mesh_text: str) -> int:
+    """The ranks of the mesh's ``tp`` dim (1 without one)."""
+    mesh = parse_mesh(mesh_text)
+    return mesh.dim_size("tp") if "tp" in mesh.dim_names else 1
 
 
 def _check_tp_comm_overlap(req: PlanRequest) -> None:
