@@ -118,3 +118,19 @@ def test_async_tp_hides_what_the_fused_ops_hide() -> None:
     for i, op in enumerate(ops):
         if op.phase == "backward" and op.name in ("grad of layers.0.attn_norm.out", "grad of layers.0.mlp_norm.out"):
             assert oc_on.wait[i] == pytest.approx(oc_off.wait[i]) and oc_on.wait[i] > 0
+
+
+def test_async_tp_without_compile_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # torchtitan (820504e parallelize_llama) raises 'Async TP requires --training.compile'; plan priced it eager
+    from spmdkit.cli import main
+
+    argv = ["plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--strategy", "megatron,sp", "--device", "h100",
+            "--framework", "torchtitan", "--tp-comm-overlap"]
+    for extra in ([], ["--no-compile"], ["--devices", "4"]):
+        args = [a for a in argv if not (extra[:1] == ["--devices"] and a in ("--mesh", "dp=2,tp=2"))] + extra
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == ("spmdkit plan: ProgramError: --tp-comm-overlap with --framework torchtitan: torch's "
+                               "async TP runs only compiled (torchtitan raises 'Async TP requires "
+                               "--training.compile'); give --compile too"), err
+    assert main([*argv, "--compile"]) == 0

@@ -113,3 +113,14 @@ def test_devices_with_cp_below_the_searched_sequence_says_so() -> None:
     assert rc == 2 and out == "" and err.strip() == (
         "spmdkit plan: ProgramError: --strategy dp,cp: the --devices search tries context parallelism from 16384 "
         "tokens, and the sequence is 512; plan cp at it on a given mesh (--mesh with a cp dim)")
+
+
+def test_global_batch_with_a_pipeline_flag_and_no_pp_dim_is_the_step() -> None:
+    """A pipeline flag (--schedule, --virtual-stages, ...) without a pp dim plans a pipeline of one stage;
+    --global-batch 16 --micro-batch 2 over dp=2 was made --batch 4 --grad-accum 4 as for a flat plan, and the
+    pipeline path, which has no --grad-accum, planned one microbatch of 4: a step of 4 sequences, not 16."""
+    rc, out, err = _cli(*BASE, "--mesh", "dp=2", "--strategy", "dp", "--global-batch", "16", "--micro-batch", "2",
+                        "--schedule", "1f1b", "--json")
+    assert rc == 0, err
+    pipe = json.loads(out)["pipeline"]
+    assert pipe["microbatches"] == 4 and pipe["tokens"] == 16 * 512  # 16 / (2 x 2) microbatches of 2 x 2

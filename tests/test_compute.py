@@ -390,7 +390,8 @@ def test_device_json_file(tmp_path: Path) -> None:
     ('{"base": "h100", "inter_node": {"gb_per_s": 0}}', "inter_node.gb_per_s"),
     ('{"base": "h100", "ranks_per_node": 0}', "ranks_per_node"),
     ('{"base": "h100", "tf32": "yes"}', "tf32"),
-    ('{"base": "tpu"}', "no such preset"),
+    # the file's field, not a --device argument ('--device 'tpu': no such preset ... and not a .json file')
+    ('{"base": "tpu"}', r"--device base: 'tpu' is not a preset \(one of a100-40gb, "),
     ('{"base": "h100", "intra_node": {"gb_per_s": 1e999}}', "intra_node.gb_per_s"),
     ('{"base": "h100", "memory_gb": 1e308}', "memory_gb"),
     ('{"base": "h100", "peak_tflops": {"bf16": NaN}}', "peak_tflops.bf16"),

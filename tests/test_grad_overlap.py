@@ -50,3 +50,24 @@ def test_no_grad_overlap_in_the_pipeline_and_its_flag() -> None:
     p_on, p_off = on["pipeline"], off["pipeline"]
     assert p_off["pipeline_s"] == pytest.approx(p_on["pipeline_s"])  # the schedule itself is the same
     assert p_off["step_overlap_s"] > p_on["step_overlap_s"]
+
+
+def test_the_step_line_says_where_the_reductions_run(tmp_path: Any) -> None:
+    # the second figure read 'with the gradient reductions overlapped with the backward' under
+    # --no-grad-overlap too, the flag that puts them after it (report, pipeline report, --html page)
+    def text(*argv: str) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            assert main(["plan", "--model", "llama-7b", "--layers", "2", "--seq", "512", "--strategy", "dp",
+                         "--device", "a100-80gb", "--batch", "8", *argv]) == 0
+        return next(x for x in out.getvalue().splitlines() if x.startswith("step time: "))
+
+    assert "ms with the gradient reductions overlapped with the backward (" in text("--mesh", "dp=4")
+    assert "ms with the framework's overlaps, the gradient reductions after the last backward (--no-grad-overlap) (" \
+        in text("--mesh", "dp=4", "--no-grad-overlap")
+    assert text("--mesh", "pp=2,dp=2", "--microbatches", "4").endswith(" overlapping the last backward")
+    assert text("--mesh", "pp=2,dp=2", "--microbatches", "4", "--no-grad-overlap").endswith(
+        "ms with the gradient reductions after the last backward (--no-grad-overlap)")
+    page = tmp_path / "p.html"
+    text("--mesh", "dp=4", "--no-grad-overlap", "--html", str(page))
+    assert "with the gradient reductions after it (--no-grad-overlap)" in page.read_text()

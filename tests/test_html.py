@@ -209,6 +209,9 @@ def test_pipeline_schedule_figure(tmp_path: Path) -> None:
     assert len(fig) == 1 and fig[0]["data-units"] == str(2 * 2 * 4)  # F and B of 4 microbatches on 2 ranks
     assert sum(1 for t, a in p.elements if t == "g" and a.get("class") == "rank") == 8   # the full mesh
     assert "2 nodes of 4 ranks" in text and "across nodes" in text
+    # the card's communication is the one-microbatch program's (the step section's), beside the pipeline's
+    # step of 4 microbatches: it was labelled 'communication' alone, as a flat plan's whole step
+    assert "<div>communication (a microbatch, all stages)<b>" in text and "<div>communication<b>" not in text
 
 
 def test_cli_writes_the_page_and_keeps_json_clean(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -285,3 +285,12 @@ def test_microbatch_level_recomputation() -> None:
     assert none.step_overlap_s <= mb.step_overlap_s <= sel.step_overlap_s
     with pytest.raises(ProgramError, match=r"--recompute microbatch: .*pipeline"):
         memory_per_device(plan, "microbatch")
+
+
+def test_fit_verdict_names_the_capacity_it_judged() -> None:
+    # the share's capacity was rounded to whole GiB: a 2 GB --memory cap (1.86 GiB, as the --devices table
+    # says it) read '... of 2 GiB', a 512 MiB one '... of 0 GiB'; the presets keep their whole figure
+    assert fit_verdict(GiB, 2 * 10**9)[1] == "fits with 0.9 GiB headroom (54% of 1.86 GiB)"
+    assert fit_verdict(GiB, 512 * 2**20)[1] == "does not fit by 0.5 GiB (200% of 0.5 GiB)"
+    assert fit_verdict(40 * GiB, 80 * GiB)[1] == "fits with 40.0 GiB headroom (50% of 80 GiB)"
+    assert fit_verdict(40 * GiB, 141 * GiB)[1].endswith("(28% of 141 GiB)")

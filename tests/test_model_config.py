@@ -125,8 +125,8 @@ def test_runtime_reaches_the_plan(capsys: pytest.CaptureFixture[str], monkeypatc
 
     monkeypatch.setattr(common, "estimate_step", spy)
     _plan_json(capsys, "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--strategy", "megatron,sp", "--device", "h100",
-               "--precision", "bf16", "--framework", "torchtitan", "--tp-comm-overlap")
-    assert seen == [Runtime("bf16", "torchtitan", True)]
+               "--precision", "bf16", "--framework", "torchtitan", "--compile", "--tp-comm-overlap")
+    assert seen == [Runtime("bf16", "torchtitan", True, compile=True)]
 
 
 def test_precision_names() -> None:

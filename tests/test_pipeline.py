@@ -143,6 +143,14 @@ def test_verify_with_pp(capsys: pytest.CaptureFixture[str]) -> None:
     (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--schedule", "interleaved", "--microbatches", "6"],
      "not a multiple of pp=4"),
     (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--schedule", "zigzag"], "--schedule 'zigzag': unknown"),
+    # one model chunk a device is no interleaving in Megatron-LM (1F1B) and refused by torchtitan; priced as
+    # interleaved it held 2 (p - r - 1) + 1 microbatches in flight, where 1F1B holds p - r
+    (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--schedule", "interleaved", "--virtual-stages", "1"],
+     "--virtual-stages 1: the interleaved schedule runs at least 2 model chunks a device"),
+    # Megatron-LM's validate_args asserts pp > 2 for the interleaved schedule without the p2p overlap
+    (["--model", "llama-7b", "--mesh", "pp=2,tp=2", "--schedule", "interleaved", "--microbatches", "4",
+      "--no-p2p-overlap"],
+     "--no-p2p-overlap: Megatron-LM's interleaved schedule over pp=2 needs the stage-to-stage overlap"),
     (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--microbatches", "65536", "--virtual-stages", "4"],
      "forward units to simulate"),
     (["--model", "llama-7b", "--mesh", "dp=2,pp=4,tp=2", "--annotate", "tokens=[1,-1]"],
@@ -235,3 +243,18 @@ def test_recompute_reaches_the_pipeline() -> None:
     assert kept["full"] < kept["none"]
     assert ests["full"].step_serial_s > ests["selective"].step_serial_s > ests["none"].step_serial_s
     assert ests["full"].memory[0].activation_peak < ests["none"].memory[0].activation_peak
+
+
+def test_devices_does_not_interleave_pp2_without_the_p2p_overlap(capsys: pytest.CaptureFixture[str]) -> None:
+    # plan --mesh pp=2 refuses it (test_errors_are_one_line); the search planned pp=2 x 2 chunks under
+    # --no-p2p-overlap as a configuration to run, where Megatron-LM's validate_args asserts pp > 2
+    argv = ["plan", "--model", "tiny-llama", "--layers", "4", "--devices", "2", "--batch", "8", "--strategy", "dp",
+            "--device", "h100", "--json"]
+    rc, out, err = _run([*argv, "--no-p2p-overlap"], capsys)
+    search = json.loads(out)["search"]
+    assert rc == 0 and {t["pp"] for t in search["top"]} == {1, 2}, err
+    assert not [t for t in search["top"] if t.get("virtual_stages")]
+    assert [(r["pp"], r["virtual_stages"]) for r in search["refused"]] == [(2, 2)]
+    assert search["refused"][0]["reason"].startswith("--no-p2p-overlap: Megatron-LM's interleaved schedule over pp=2")
+    rc, out, err = _run(argv, capsys)  # with the overlap (the default) it is planned
+    assert rc == 0 and [t for t in json.loads(out)["search"]["top"] if t.get("virtual_stages") == 2]

@@ -86,6 +86,34 @@ def test_walk_frees_a_stage_after_its_last_backward() -> None:
     assert (peak.gradients, peak.buffers) == (80, 22)
 
 
+def test_walk_without_fsdp_holds_the_gradients_allocated_from_the_first_backward() -> None:
+    # a stage not sharded by FSDP2 (torchtitan's DDP, or no data parallelism): autograd accumulates its
+    # gradients in place (param.grad) from its first backward; they were counted as FSDP2's reduce-scatter
+    # pool (reserved, not allocated), so such a rank's breakdown said 'gradients 0 B'
+    # F0 F1 B0 B1 (p = 2, r = 0, m = 2): receive buffers 8; at B0 (the peak): params 100, gradients 5,
+    # states 200, working 30 + F1's stash 10 + outputs 8 + buffers 8
+    plain = _chunk(unsharded_parameters=0, unsharded_gradients=0, fsdp=False)
+    peak = torch_rank_memory([plain], torch_order("1f1b", 2, 1, 2, 0), 2)
+    assert peak.unit == ("B", 0, 0)
+    assert (peak.parameters, peak.gradients, peak.optimizer_states, peak.pools) == (100, 5, 200, 0)
+    assert peak.activations == 30 + 10 + 16
+    # at F1 (before any backward) none is held: set to None by zero_grad
+    early = torch_rank_memory([plain], [("F", 0, 0), ("F", 0, 1)], 2)
+    assert early.gradients == 0
+
+
+def test_torchtitan_pipeline_without_fsdp_counts_its_gradients() -> None:
+    pp = plan_pipeline("tiny-llama", "pp=2,dp=2", "dp", {"microbatches": 4, "schedule": "1f1b"},
+                       {"layers": 4, "batch": 8})
+    _model, plan, spec, counts, _ = pp
+    est = estimate_pipeline(replace(plan, runtime=Runtime(framework="torchtitan")), spec, counts,
+                            preset_device("h100"))
+    for r, st in enumerate(est.stages):
+        assert st.gradients > 0 and st.unsharded_gradients == 0
+        assert est.memory[r].gradients == st.gradients  # fp32 gradients, 4 bytes a parameter element
+        assert st.gradients == st.parameters  # (torchtitan: fp32 parameters and gradients)
+
+
 def _tiny_titan(schedule: str, v: int | None = None) -> Any:
     pp = plan_pipeline("tiny-llama", "pp=2,dp=2", "dp,zero3", {"microbatches": 4, "schedule": schedule,
                                                                  "virtual": v}, {"layers": 4, "batch": 8})

@@ -81,6 +81,10 @@ def test_pipeline_and_megatron_only_flags_are_refused_where_they_change_nothing(
              "--no-p2p-overlap: applies to a pipeline's stage-to-stage sends; --mesh dp=2,tp=4 has no pp dim"),
             (["--mesh", "dp=2,tp=4", "--pp-scatter-gather"],
              "--pp-scatter-gather: applies to a pipeline's stage-to-stage sends; --mesh dp=2,tp=4 has no pp dim"),
+            # a pipeline without a tp dim: no tp rank sends a share (stage_costs.scattered), so nothing changed
+            (["--mesh", "pp=2,dp=4", "--pp-scatter-gather"],
+             "--pp-scatter-gather: each tp rank sends 1/tp of a pipeline tensor; --mesh pp=2,dp=4 has no tp dim of "
+             "more than one rank"),
             (["--mesh", "dp=2,tp=4", "--framework", "torchtitan", "--no-async-tp-allreduce"],
              "--no-async-tp-allreduce: the tp all-reduce of Megatron-LM before 2021-09, blocking the backward; "
              "applies to --framework megatron only, not --framework torchtitan"),

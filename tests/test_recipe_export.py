@@ -248,3 +248,60 @@ def test_the_programs_precision_is_the_dtype_most_parameters_have() -> None:
     h100 = load_device("h100")
     for p, dt in ((prog("float32", "bfloat16", "bfloat16"), "bfloat16"), (prog("float32", "bfloat16"), "float32")):
         assert estimate_step(propagate(p, parse_mesh("dp=2"), {"x": [0, -1]}), h100).peak == h100.matmul_peak(dt)
+
+
+@pytest.mark.parametrize(("variant", "megatron", "titan"), [
+    ("", "all_gather", "allgather"), (",cp-attention=ring", "p2p", "alltoall"), (",cp-attention=alltoall", "a2a", None)])
+def test_a_cp_recipe_states_the_attention_the_plan_priced(variant: str, megatron: str, titan: str | None) -> None:
+    """The search prices three attentions over a split sequence (planner.search_space.CP_VARIANTS); the
+    recipes said the degree alone, so Megatron-LM ran its default --cp-comm-type p2p (the ring) whatever was
+    priced, and torchtitan its default rotate method (allgather)."""
+    c = next(x for x in config_candidates("llama3-8b", Config(1, 1, 1, f"dp,cp{variant}", cp=2),
+                                          overrides={"layers": 2, "batch": 2, "seq": 1024})
+             if x.config.recompute == "none")
+    r = recipe(c, "llama3-8b", 2, 1024, 2)
+    assert r["context_parallel"] == 2 and r["cp_attention"] == (variant.split("=")[1] if variant else "allgather")
+    pairs = dict(itertools.pairwise(megatron_args(r).replace("\\\n", "").split()))
+    assert pairs["--context-parallel-size"] == "2" and pairs["--cp-comm-type"] == megatron
+    par = tomllib.loads(torchtitan_toml(r))["parallelism"]
+    warning = recipe_warning("torchtitan", r) or ""
+    if titan is None:  # Ulysses: torch's context_parallel has none; said, and its default written
+        assert par["context_parallel_rotate_method"] == "allgather" and "has no torchtitan form" in warning
+    else:
+        assert par["context_parallel_rotate_method"] == titan and "cp attention" not in warning
+    flat = next(x for x in config_candidates("llama3-8b", Config(2, 1, 1, "dp"),
+                                             overrides={"layers": 2, "batch": 2, "seq": 1024})
+                if x.config.recompute == "none")
+    r = recipe(flat, "llama3-8b", 2, 1024, 2)
+    assert "cp_attention" not in r and "--cp-comm-type" not in megatron_args(r)
+    assert "context_parallel_rotate_method" not in tomllib.loads(torchtitan_toml(r))["parallelism"]
+
+
+def test_recipes_state_the_overlaps_the_step_was_priced_with() -> None:
+    """The step is priced with the gradient buckets reduced under the backward, the distributed optimizer's
+    parameters gathered under the next forward, and --tp-comm-overlap / --compile where given; Megatron-LM
+    runs none of the first two by default (d98e8a64dd: --overlap-grad-reduce, --overlap-param-gather are
+    store_true) and the arguments said neither; torchtitan's TOML had no compile nor async TP."""
+    from spmdkit.program.runtime import Runtime
+
+    def rec(strategy: str, runtime: Runtime | None = None, dp: int = 2, tp: int = 2) -> dict[str, object]:
+        c = next(x for x in config_candidates("llama3-8b", Config(dp, tp, 1, strategy),
+                                              overrides={"layers": 2, "batch": 4, "seq": 256}, runtime=runtime)
+                 if x.config.recompute == "none")
+        return recipe(c, "llama3-8b", 4, 256, 2)
+
+    args = megatron_args(rec("megatron,sp,zero1")).split()
+    assert "--overlap-grad-reduce" in args and "--overlap-param-gather" in args and "--tp-comm-overlap" not in args
+    args = megatron_args(rec("megatron,sp")).split()  # DDP: its buckets; no distributed optimizer to gather
+    assert "--overlap-grad-reduce" in args and "--overlap-param-gather" not in args
+    args = megatron_args(rec("megatron,sp,zero3")).split()  # Megatron-FSDP turns both on itself
+    assert not {"--overlap-grad-reduce", "--overlap-param-gather"} & set(args)
+    args = megatron_args(rec("megatron,sp,zero1", Runtime(grad_overlap=False))).split()  # --no-grad-overlap
+    assert not {"--overlap-grad-reduce", "--overlap-param-gather"} & set(args)
+    assert "--overlap-grad-reduce" not in megatron_args(rec("megatron,sp", dp=1))  # no data-parallel reduction
+    assert "--tp-comm-overlap" in megatron_args(rec("megatron,sp", Runtime(tp_comm_overlap=True))).split()
+    titan = rec("megatron,sp,zero3", Runtime(framework="torchtitan", compile=True, tp_comm_overlap=True))
+    doc = tomllib.loads(torchtitan_toml(titan))
+    assert doc["training"]["compile"] is True and doc["parallelism"]["enable_async_tensor_parallel"] is True
+    doc = tomllib.loads(torchtitan_toml(rec("megatron,sp,zero3", Runtime(framework="torchtitan"))))
+    assert "compile" not in doc["training"] and "enable_async_tensor_parallel" not in doc["parallelism"]

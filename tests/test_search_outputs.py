@@ -234,9 +234,56 @@ def test_the_card_and_the_text_judge_the_search_s_memory_cap(tmp_path: Any) -> N
     rc, out, _ = _cli(*args, "--html", str(page))
     assert rc == 0 and "configurations that fit in 1.86 GiB per device" in out
     line = next(x for x in out.splitlines() if x.startswith("memory: "))
-    assert line.startswith("memory: fits with ") and "% of 2 GiB) on a custom device" in line, line
+    # the capacity as the table gives it (1.86 GiB: 2 GB), not rounded to a whole 2 GiB
+    assert line.startswith("memory: fits with ") and "% of 1.86 GiB) on a custom device" in line, line
     assert "fits?<b>fits with " in page.read_text()
     rc, out, _ = _cli(*args, "--json")
     got = json.loads(out)
     assert rc == 0 and got["memory"]["device_memory"] == 2 * 10**9 and got["memory"]["fits"] is True
     assert 0.5 * 10**9 < got["memory"]["device_total"] <= 2 * 10**9  # over the device's memory, under the cap
+
+
+def test_pipeline_json_says_whether_the_fullest_rank_fits(tmp_path: Any) -> None:
+    # the text ends 'fullest pipeline rank R: ...; fits with ... / does not fit by ...'; a pipeline's JSON
+    # (plan --mesh pp=..., and --devices with a pipeline best) had the fullest rank's bytes alone
+    argv = ["plan", "--model", "tiny-llama", "--mesh", "pp=2,dp=2", "--strategy", "dp", "--microbatches", "2"]
+    _, text, _ = _cli(*argv, "--device", "h100")
+    rc, out, err = _cli(*argv, "--device", "h100", "--json")
+    d = json.loads(out)
+    mem, ranks = d["memory"], d["pipeline"]["devices"]
+    assert rc == 0 and mem["device_memory"] == 80 * 2**30 and mem["fits"] is True, err
+    assert mem["device_total"] == max(r["memory"]["device_total"] for r in ranks) and "; fits with" in text
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({"base": "h100", "memory_gb": 0.001}))  # 10^6 bytes
+    rc, out, err = _cli(*argv, "--device", str(small), "--json")
+    mem = json.loads(out)["memory"]
+    assert rc == 0 and mem["device_memory"] == 10**6 and mem["fits"] is False, err
+    _, out, _ = _cli(*argv, "--json")
+    assert "fits" not in json.loads(out)["memory"]  # no --device: no verdict (as the text)
+    cfg = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "num_hidden_layers": 5, "vocab_size": 32000}  # only pp=2 fits 1.3 GiB (as above)
+    rc, out, err = _cli("plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(cfg), "--devices", "2",
+                        "--strategy", "dp", "--recompute", "none", "--seq", "64", "--batch", "4", "--memory", "1.3GiB",
+                        "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["pipeline"]["pp"] == 2, err
+    assert d["memory"]["device_memory"] == int(1.3 * 2**30) and d["memory"]["fits"] is True  # the search's cap
+
+
+def test_plan_refused_export_leaves_no_page(tmp_path: Any) -> None:
+    # plan --mesh with a pp dim and plan --auto wrote --html before the export was refused (exit 2 and a page
+    # of a plan not exported), as --devices did before dc1a920; plan without either exported first already
+    page, exp = tmp_path / "p.html", tmp_path / "x.py"
+    for mesh in (["--mesh", "dp=2,pp=2", "--strategy", "dp"], ["--mesh", "dp=2,tp=2", "--auto"],
+                 ["--mesh", "dp=2,tp=2"]):
+        rc, _out, err = _cli("plan", "--model", "tiny-llama", *mesh, "--html", str(page), "--export", "torch", str(exp))
+        assert rc == 2 and "ExportError: --export torch" in err and sorted(tmp_path.iterdir()) == [], (mesh, err)
+
+
+def test_nothing_fits_names_the_cap_as_the_table_does() -> None:
+    # the last line rounded the cap to a tenth of a GiB: a --memory 80 (a byte count) read 'fits in 0.0 GiB'
+    # under the table's 'fit in 80 B', a 700 MB one 'fits in 0.7 GiB' under 'fit in 667.57 MiB'
+    for cap, said in (("80", "80 B"), ("700MB", "667.57 MiB")):
+        rc, out, _ = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--memory", cap)
+        assert rc == 1 and f"configurations that fit in {said} per device" in out
+        assert out.strip().splitlines()[-1].startswith(f"no configuration fits in {said} per device: the least needs ")

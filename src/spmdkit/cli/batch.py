@@ -46,7 +46,9 @@ def resolve_mesh_batch(req: PlanRequest) -> PlanRequest:
     """A ``--mesh`` request's ``--global-batch`` / ``--micro-batch`` as ``--batch``,
     ``--grad-accum`` or ``--microbatches``; ``--batch`` with ``--grad-accum`` warned of."""
     g, mb = global_batch(req)
-    if req.grad_accum is not None and ("pp" in parse_mesh(req.mesh_text).dim_names or req.pipeline.given()):
+    # a pp dim or a pipeline flag (--schedule, --microbatches, ...: a pipeline of one stage without pp)
+    pipeline = "pp" in parse_mesh(req.mesh_text).dim_names or req.pipeline.given()
+    if req.grad_accum is not None and pipeline:
         # a pipeline accumulates over its microbatches (Megatron-LM's num_microbatches): --grad-accum
         # was accepted there, warned of, and planned as one step of --batch
         raise ProgramError(f"--grad-accum {req.grad_accum}: a pipeline accumulates the gradients over its "
@@ -60,7 +62,6 @@ def resolve_mesh_batch(req: PlanRequest) -> PlanRequest:
                           f"--global-batch {b} (and --micro-batch)", UserWarning, stacklevel=2)
         return req
     dp = mesh_dp(req.mesh_text, req.strategy)
-    pipeline = "pp" in parse_mesh(req.mesh_text).dim_names
     micro = mb if mb is not None else (1 if pipeline else g // dp if g % dp == 0 else None)
     if micro is None or g % (micro * dp):
         what = f"--micro-batch {mb} x " if mb is not None else ""

@@ -26,10 +26,10 @@ from spmdkit.cli.request import PlanRequest
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.models.source import load
 from spmdkit.models.zoo import model_label, preset
-from spmdkit.outputs.pipeline import bubble_line, write_pipeline
+from spmdkit.outputs.pipeline import bubble_line, pipeline_plan_json, write_pipeline
 from spmdkit.outputs.progress import Progress
 from spmdkit.outputs.recipe import check_recipe_target, recipe, recipe_warning, write_recipe
-from spmdkit.outputs.report import plan_json, write_report
+from spmdkit.outputs.report import fmt_bytes, plan_json, write_report
 from spmdkit.outputs.search import search_json, write_search
 from spmdkit.planner.bubble import BubbleHint, bubble_hint
 from spmdkit.planner.pipeline import PipelineEstimate
@@ -204,8 +204,10 @@ def why_none(res: SearchResult, n: int, batch: int | None, batch_flag: str = "--
     over = [c for c in res.candidates if not c.fits]
     if over:
         least = min(over, key=lambda c: c.memory)
-        return (f"no configuration fits in {res.memory_cap / 2**30:.1f} GiB per device: the least needs "
-                f"{least.memory / 2**30:.1f} GiB ({least.config.label()}); raise --memory, add devices, or "
+        # the cap as the table's header gives it ('fit in 7.45 GiB', a --memory 80 as '80 B'), not to a tenth of a
+        # GiB ('fits in 7.5 GiB', '0.0 GiB')
+        return (f"no configuration fits in {fmt_bytes(res.memory_cap)} per device: the least needs "
+                f"{fmt_bytes(least.memory)} ({least.config.label()}); raise --memory, add devices, or "
                 "shorten the model")
     kinds = {"batch": 0, "micro": 0, "heads": 0, "layers": 0}
     for _c, why in res.refused:
@@ -273,7 +275,7 @@ def _write_json(res: SearchResult, best: Candidate | None, title: str, verdict: 
     if isinstance(est, PipelineEstimate):  # a pp configuration
         extra["pipeline"] = est.to_json()
         extra["bubble_hint"] = hint.to_json() if hint is not None else None
-        out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra)) + "\n")
+        out.write(json.dumps(pipeline_plan_json(best.plan, est, best.memory_detail, extra)) + "\n")
     else:
         out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra, est)) + "\n")
     return 0 if verdict is None or verdict["ok"] else 1

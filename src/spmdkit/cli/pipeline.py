@@ -31,14 +31,15 @@ from spmdkit.cost.devices import Device, cost_model, load_device
 from spmdkit.cost.memory import check_recompute, per_microbatch_mode
 from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile
 from spmdkit.models.zoo import model_label
-from spmdkit.outputs.pipeline import bubble_line, write_pipeline
-from spmdkit.outputs.report import explain_table, plan_json, write_report
+from spmdkit.outputs.pipeline import bubble_line, pipeline_plan_json, write_pipeline
+from spmdkit.outputs.report import explain_table, write_report
 from spmdkit.planner.auto.stage import StageSearch, auto_title
 from spmdkit.planner.bubble import bubble_hint
 from spmdkit.planner.pipeline import estimate_pipeline
 from spmdkit.planner.pipeline_plan import PipelinePlan, plan_pipeline_source, pp_cost_text, sub_mesh_text
 from spmdkit.planner.pipeline_split import PipelineSpec, auto_counts, parse_spec
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_cost, parse_size
+from spmdkit.planner.schedules import interleaved_p2p_problem
 from spmdkit.strategies.strategy import parse_mesh
 
 
@@ -62,6 +63,10 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     spec_args = {"microbatches": p.microbatches, "schedule": p.schedule, "virtual": p.virtual_stages,
                  "stages": p.stages, "group": p.microbatch_group}
     spec = parse_spec(sub_mesh_text(full)[0], **spec_args)
+    runtime = req.links.runtime()
+    if spec.schedule == "interleaved" and (why := interleaved_p2p_problem(spec.pp, runtime.p2p_overlap,
+                                                                          runtime.framework)) is not None:
+        raise ProgramError(f"{why}: give pp of 3 or more, --schedule 1f1b, or drop --no-p2p-overlap")
     recompute = check_recompute(req.recompute or "none", pipeline=True)
     source = _source(req, spec.microbatches)
     if req.verify and isinstance(source, ProgramFile):
@@ -87,9 +92,10 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     if isinstance(source, HFModel):  # the import's warning and note lines, below the first
         title = "\n".join([title, *got.loaded.title.split("\n")[1:]])
     config = got.loaded.model.config if got.loaded.model is not None else None
-    write_html(req, plan, title, est.memory[worst], _est, config, pipeline=est, auto=got.auto)
-    if req.outputs.export:  # --export torch (cli/plan.py refuses the others)
+    if req.outputs.export:  # --export torch (cli/plan.py refuses the others); before the page: a refused
+        # export leaves none behind
         export_plan_file(req, plan, recompute, (full, spec, got.counts or auto_counts(got.plan, spec.pp * spec.virtual)))
+    write_html(req, plan, title, est.memory[worst], _est, config, pipeline=est, auto=got.auto)
     verdict = None
     if req.verify:
         require_simulator()
@@ -108,7 +114,7 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
             extra["verify"] = verdict
         if got.auto is not None:
             extra["auto"] = auto_json(got.auto, None)
-        out.write(json.dumps(plan_json(plan, est.memory[worst], extra)) + "\n")
+        out.write(json.dumps(pipeline_plan_json(plan, est, est.memory[worst], extra)) + "\n")
     else:
         if est.note:
             out.write(est.note + "\n")

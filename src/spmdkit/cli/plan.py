@@ -77,6 +77,11 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
             if runtime.ep_comm_overlap and devices:
                 raise ProgramError("--ep-comm-overlap: applies to one plan (--mesh with ep, with or without pp); the "
                                    "--devices search does not choose it")
+            if runtime.tp_comm_overlap and runtime.framework == "torchtitan" and not runtime.compile:
+                # torchtitan 820504e parallelize_llama: 'Async TP requires --training.compile' (a RuntimeError)
+                raise ProgramError("--tp-comm-overlap with --framework torchtitan: torch's async TP runs only "
+                                   "compiled (torchtitan raises 'Async TP requires --training.compile'); give "
+                                   "--compile too")
             if runtime.tp_comm_overlap and not devices and not req.search.auto:
                 _check_tp_comm_overlap(req)
             for flag, given in (("--no-p2p-overlap", not runtime.p2p_overlap),
@@ -84,6 +89,10 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
                 if given and not devices and not wants_pipeline(req):  # (accepted before, and changed nothing)
                     raise ProgramError(f"{flag}: applies to a pipeline's stage-to-stage sends; --mesh "
                                        f"{req.mesh_text} has no pp dim")
+            if runtime.pp_scatter_gather and not devices and _tp_ranks(req.mesh_text) == 1:
+                # (accepted before, and changed nothing: no tp rank to send a share; stage_costs.scattered)
+                raise ProgramError(f"--pp-scatter-gather: each tp rank sends 1/tp of a pipeline tensor; --mesh "
+                                   f"{req.mesh_text} has no tp dim of more than one rank")
             if req.outputs.recipe is not None and not devices:
                 raise ProgramError("--export-recipe: applies to --devices (the search's best recipe); give --devices N")
             width = None if req.outputs.json else terminal_width(out, req.outputs.wide)
@@ -99,6 +108,12 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
             msg = msg[:500] + "..."
         print(f"spmdkit plan: {type(exc).__name__}: {msg}", file=sys.stderr)
         return 2
+
+
+def _tp_ranks(mesh_text: str) -> int:
+    """The ranks of the mesh's ``tp`` dim (1 without one)."""
+    mesh = parse_mesh(mesh_text)
+    return mesh.dim_size("tp") if "tp" in mesh.dim_names else 1
 
 
 def _check_tp_comm_overlap(req: PlanRequest) -> None:
@@ -290,8 +305,8 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
     recompute = block_recompute(plan.program, recompute)
     plan, est = step_estimate(req.links, plan, config, recompute)
     mem = memory_per_device(plan, recompute)
+    export_plan_file(req, plan, recompute)  # before the page: a refused export leaves none behind
     write_html(req, plan, title, mem, est, config, recompute=recompute, auto=info)
-    export_plan_file(req, plan, recompute)
     verdict = None
     if req.verify:
         require_simulator()

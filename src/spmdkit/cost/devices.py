@@ -388,7 +388,10 @@ def device_from_json(obj: Any) -> Device:
     if "base" in obj:
         if not isinstance(obj["base"], str):
             raise ProgramError("--device base: expected a preset name")
-        base = preset_device(obj["base"])
+        key = _DEVICE_ALIASES.get(obj["base"].strip().lower(), obj["base"].strip().lower())
+        if key not in DEVICES:  # (preset_device's message reads as a --device argument, not the file's field)
+            raise ProgramError(f"--device base: {obj['base'][:60]!r} is not a preset (one of {', '.join(DEVICES)})")
+        base = DEVICES[key]
     else:
         missing = [k for k in ("peak_tflops", "hbm_gb_per_s") if k not in obj]
         if missing:

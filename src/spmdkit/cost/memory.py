@@ -291,7 +291,8 @@ def fit_verdict(need: int, capacity: int) -> tuple[bool, str]:
     allocated peak with the allocator's reserve, the CUDA context and NCCL's buffers, the
     headroom real runs need) against a device of ``capacity`` bytes."""
     gib = 1024**3
-    share = f"{100 * need / capacity:.0f}% of {capacity / gib:.0f} GiB" if capacity else "no capacity"
+    cap = f"{capacity / gib:.2f}".rstrip("0").rstrip(".")  # 80 GiB as 80, a 2 GB cap as 1.86 (it read 2)
+    share = f"{100 * need / capacity:.0f}% of {cap} GiB" if capacity else "no capacity"
     if need <= capacity:
         return True, f"fits with {(capacity - need) / gib:.1f} GiB headroom ({share})"
     return False, f"does not fit by {(need - capacity) / gib:.1f} GiB ({share})"

@@ -247,7 +247,10 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
         mem = max(pipeline.memory, key=lambda m: m.device_total)
     tps = pipeline.tokens_per_s if pipeline is not None and pipeline.run is not None else est.tokens_per_s
     summary = [("ranks", str(mesh.size)), ("ops", f"{len(prog.ops)}"), ("tensors", f"{len(prog.tensors)}"),
-               ("step (predicted)", fmt_time(step_s)), ("communication", fmt_time(est.comm_total_s)),
+               ("step (predicted)", fmt_time(step_s)),
+               # a pipeline's est is one microbatch through every stage (the step section's timeline), not its step
+               ("communication" + (" (a microbatch, all stages)" if pipeline is not None else ""),
+                fmt_time(est.comm_total_s)),
                ("memory per device", fmt_bytes(mem.device_total))]
     if tps:
         summary.append(("tokens/s", f"{tps:,.0f}"))

@@ -139,7 +139,8 @@ def step_section(plan: Plan, est: Any, assumed: str | None, pipe: Any) -> str:
     accum = f" One of the {plan.grad_accum} micro-steps is drawn ({when})." if plan.grad_accum > 1 else ""
     one = " One microbatch through the whole program on the stages' sub-mesh:" if pipe is not None else ""
     out = (f'<section id="step"><h2>Predicted step</h2><p>{esc(one)} On {esc(est.device.name)}: '
-           f'{fmt_time(est.step_overlap_s)} with the gradient reductions overlapping the backward '
+           f'{fmt_time(est.step_overlap_s)} with the gradient reductions '
+           f'{"overlapping the backward" if plan.runtime.grad_overlap else "after it (--no-grad-overlap)"} '
            f'({fmt_time(est.step_serial_s)} serial).{note}{accum} Ops narrower than a pixel are drawn together; hover '
            f'for names and times.</p>{_timeline_svg(plan, est)}<table class="small"><tr><th>phase</th>'
            f'<th>compute</th><th>communication</th></tr>{rows}</table>')

@@ -3,14 +3,16 @@ per stage its times and sends, per pipeline rank its memory, then the bubble and
 
 from __future__ import annotations
 
-from typing import TextIO
+from typing import Any, TextIO
 
-from spmdkit.outputs.report import fmt_bytes, fmt_time, verdict_line, write_band
+from spmdkit.cost.memory import Memory, fit_verdict
+from spmdkit.outputs.report import fmt_bytes, fmt_time, plan_json, verdict_line, write_band
 from spmdkit.outputs.tables import print_table
 from spmdkit.planner.bubble import BubbleHint
 from spmdkit.planner.pipeline import PipelineEstimate
 from spmdkit.planner.pipeline_moe import MoeMemory
 from spmdkit.planner.schedules import weight_pending
+from spmdkit.program.plan import Plan
 
 
 def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
@@ -67,8 +69,9 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
                   f"(one more warm-up forward per device)\n")
     when = "each microbatch's backward (Megatron-FSDP: its ZeRO gradients reduce-scattered in every one)" \
         if any(c.each for c in est.stages) else "the last backward"
-    out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
-              f"reductions overlapping {when}\n")
+    how = f"with the gradient reductions overlapping {when}" if est.grad_overlap else \
+        "with the gradient reductions after the last backward (--no-grad-overlap)"
+    out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} {how}\n")
     if est.tokens:
         out.write(f"tokens/s: {est.tokens_per_s or 0:,.0f} ({est.tokens} tokens per step); MFU "
                   f"{100 * (est.mfu or 0):.1f}% ({est.tflops_per_gpu or 0:.0f} model TFLOP/s per GPU over "
@@ -93,7 +96,17 @@ def write_moe_memory(mm: MoeMemory, out: TextIO) -> None:
               f" + {extra:g} more in flight x {fmt_bytes(mm.stash)} each keeps for its backward\n")
 
 
-__all__ = ["write_moe_memory", "write_pipeline"]
+def pipeline_plan_json(plan: Plan, est: PipelineEstimate, memory: Memory, extra: dict[str, Any]) -> dict[str, Any]:
+    """``--json`` of a pipeline plan (``extra`` with its ``pipeline``): :func:`~spmdkit.outputs.report.plan_json`
+    with ``memory`` the fullest rank's, and where the device states its memory ``device_memory`` and ``fits`` beside it (the report's
+    'fullest pipeline rank ...: fits with ... / does not fit by ...', as a flat plan's JSON has them)."""
+    doc = plan_json(plan, memory, extra)
+    if est.device_memory:
+        doc["memory"].update(device_memory=est.device_memory, fits=fit_verdict(memory.device_total, est.device_memory)[0])
+    return doc
+
+
+__all__ = ["pipeline_plan_json", "write_moe_memory", "write_pipeline"]
 
 
 def bubble_line(hint: BubbleHint, global_batch: int | None = None) -> str:

@@ -20,7 +20,8 @@ warning). The frameworks' context-parallel
 degree is the ranks a sequence is split over (``cp x ep`` with ``ep-from=cp``: Megatron-Core and
 torchtitan carve the expert group from them), their expert-parallel degree the expert group
 (``ep x tp`` under ETP = 1, written with ``--expert-tensor-parallel-size 1`` /
-``expert_tensor_parallel_degree = 1``).
+``expert_tensor_parallel_degree = 1``); context parallelism's attention as Megatron-LM's ``--cp-comm-type``
+and torchtitan's ``context_parallel_rotate_method`` (:data:`MEGATRON_CP`, :data:`TORCHTITAN_CP`).
 Recomputation ``full:K`` (the first K layers of each pipeline stage, the search's least K that
 fits: :mod:`spmdkit.planner.search_blocks`) is Megatron-LM's ``--recompute-granularity full
 --recompute-method block --recompute-num-layers K``; torchtitan's ``[activation_checkpoint]``
@@ -71,6 +72,7 @@ def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -
             "ep_from_cp": cf.ep_from_cp, "context_parallel": cf.cp * (cf.ep if cf.ep_from_cp else 1),
             "expert_parallel": cf.ep * (cf.tp if etp1 else 1), "expert_tensor_parallel": 1 if etp1 else cf.tp,
             "sequence_parallel": "sp" in parts, "zero": _zero(cf.strategy), "strategy": cf.strategy,
+            **({"cp_attention": _cp_attention(parts)} if "cp" in parts else {}),
             "recompute": cf.recompute, "recompute_num_layers": recompute_layers(cf.recompute),
             **({"recompute_every": n} if (n := recompute_every(cf.recompute)) is not None else {}),
             "global_batch": global_batch, "micro_batch": micro, "seq": seq,
@@ -81,9 +83,28 @@ def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -
             # the split the plan priced, layers per (virtual) stage in Megatron-Core's order (chunk x pp + rank)
             "layers_per_stage": list(c.estimate.counts) if isinstance(c.estimate, PipelineEstimate) else None,
             "precision": _precision(c),
+            # the overlaps the step was priced with (docs/devices.md, "Overlaps")
+            "grad_overlap": c.plan.runtime.grad_overlap, "tp_comm_overlap": c.plan.runtime.tp_comm_overlap,
+            "compile": bool(c.plan.runtime.compile),
             **({"float8": f8} if (f8 := _float8(c)) is not None else {}),
             "predicted": {"step_s": c.step_s, "mfu": c.mfu, "memory_per_device": c.memory,
                           "tokens_per_s": global_batch * seq / c.step_s if c.step_s > 0 else None}}
+
+
+def _cp_attention(parts: list[str]) -> str:
+    """The attention over the split sequence the plan priced (``cp-attention=`` in the strategy; its
+    default allgather)."""
+    return next((p.split("=", 1)[1] for p in parts if p.startswith("cp-attention=")), "allgather")
+
+
+#: spmdkit's --cp-attention -> Megatron-LM's --cp-comm-type (d98e8a64dd megatron/training/arguments.py, default
+#: p2p; Transformer Engine's context_parallel takes all_gather, p2p, a2a): the all-gather of K and V, the ring of
+#: KV blocks, DeepSpeed-Ulysses' head / sequence all-to-all
+MEGATRON_CP = {"allgather": "all_gather", "ring": "p2p", "alltoall": "a2a"}
+#: spmdkit's --cp-attention -> torchtitan 820504e's Parallelism.context_parallel_rotate_method (torch's
+#: context_parallel: "allgather" gathers K and V once, "alltoall" passes each KV block round the ring by an
+#: all-to-all; docs/context.md); Ulysses has no torchtitan form
+TORCHTITAN_CP = {"allgather": "allgather", "ring": "alltoall"}
 
 
 #: a parameter dtype -> the precision the plan trains in (its --precision where given)
@@ -172,6 +193,8 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
                         "data_parallel_shard_degree": ranks if fsdp else 1,
                         "tensor_parallel_degree": r["tp"], "context_parallel_degree": r["context_parallel"],
                         "pipeline_parallel_degree": r["pp"], "expert_parallel_degree": r["expert_parallel"],
+                        **({"context_parallel_rotate_method": TORCHTITAN_CP.get(r["cp_attention"], "allgather")}
+                           if r["context_parallel"] > 1 and r.get("cp_attention") else {}),
                         **({"expert_tensor_parallel_degree": 1} if r["expert_tensor_parallel"] == 1 < r["tp"]
                            and r["ep"] > 1 else {})},
         "activation_checkpoint": _torchtitan_ac(r),
@@ -180,6 +203,10 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
     # Training.mixed_precision_param, "bfloat16" or "float32"; fp8's linears run beside bf16 ones)
     prec = r.get("precision", "fp32")
     sections["training"]["mixed_precision_param"] = "float32" if prec == "fp32" else "bfloat16"
+    if r.get("compile"):  # the blocks priced compiled (--compile; 820504e Training.compile, off by default)
+        sections["training"]["compile"] = True
+    if r.get("tp_comm_overlap") and r["tp"] > 1:  # torch's async TP (Parallelism.enable_async_tensor_parallel)
+        sections["parallelism"]["enable_async_tensor_parallel"] = True
     if r.get("float8"):  # torchao's float8 linears: the converter and its [float8] section
         sections["model"] = {"converters": ["float8"]}
         sections["float8"] = r["float8"]
@@ -211,6 +238,8 @@ def megatron_args(r: dict[str, Any]) -> str:
     # (examples/llama/train_llama3_8b_h100_fp8.sh: --bf16 with --fp8-format hybrid)
     prec = r.get("precision", "fp32")
     args += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp8": ["--bf16", "--fp8-format hybrid"]}.get(prec, [])
+    if r["context_parallel"] > 1 and r.get("cp_attention"):  # Megatron-LM's default is p2p, the ring
+        args.append(f"--cp-comm-type {MEGATRON_CP[r['cp_attention']]}")
     if r["ep"] > 1 and r["expert_tensor_parallel"] == 1 < r["tp"]:  # ETP = 1: each expert whole
         args.append("--expert-tensor-parallel-size 1")
     # Megatron-Core's --pipeline-model-parallel-layout for the recipe's split (None for an even one;
@@ -222,6 +251,15 @@ def megatron_args(r: dict[str, Any]) -> str:
         args.append(f"--num-virtual-stages-per-pipeline-rank {r['virtual_stages']}")
     if r["sequence_parallel"]:
         args.append("--sequence-parallel")
+    if r.get("tp_comm_overlap") and r["tp"] > 1:  # Transformer Engine's userbuffers overlap (off by default)
+        args.append("--tp-comm-overlap")
+    if r.get("grad_overlap", True) and r["zero"] <= 1 and r["devices"] // (r["tp"] * r["pp"]) > 1:
+        # the step was priced with the gradient buckets reduced under the backward and (the distributed optimizer)
+        # the parameters gathered under the next forward: both off by default in Megatron-LM (d98e8a64dd
+        # arguments.py: --overlap-grad-reduce and --overlap-param-gather, store_true); Megatron-FSDP turns them on
+        args.append("--overlap-grad-reduce")
+        if r["zero"] == 1:
+            args.append("--overlap-param-gather")
     if r["zero"] >= 2:  # Megatron-FSDP (megatron/training/arguments.py; megatron/core/distributed/README.md)
         args += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {MEGATRON_FSDP[r['zero']]}",
                  "--ckpt-format fsdp_dtensor", "--init-model-with-meta-device"]
@@ -251,6 +289,11 @@ def recipe_warning(kind: str, r: dict[str, Any]) -> str | None:
         return (f"--export-recipe torchtitan: recompute {r['recompute']} (full recomputation of the first {k} layers "
                 f"of each pipeline stage) has no [activation_checkpoint] option (its mode has no count of layers); "
                 f"written as mode = \"full\" (every layer: less memory, a slower step than the "
+                f"{r['predicted']['step_s']:.4g} s predicted)")
+    if kind == "torchtitan" and r["context_parallel"] > 1 and r.get("cp_attention") == "alltoall":
+        return ("--export-recipe torchtitan: cp attention alltoall (DeepSpeed-Ulysses' head / sequence all-to-all) "
+                "has no torchtitan form (torch's context_parallel rotates K and V round the ring); written as "
+                "context_parallel_rotate_method = \"allgather\" (another step than the "
                 f"{r['predicted']['step_s']:.4g} s predicted)")
     prec = r.get("precision", "fp32")
     if kind == "torchtitan" and prec == "fp16":
@@ -290,5 +333,5 @@ def check_recipe_target(kind: str, path: str) -> None:
         raise ProgramError(f"--export-recipe {path[:200]!r}: {why}")
 
 
-__all__ = ["KINDS", "MEGATRON_FSDP", "check_recipe_target", "megatron_args", "recipe", "recipe_warning", "torchtitan_toml",
+__all__ = ["KINDS", "MEGATRON_CP", "MEGATRON_FSDP", "TORCHTITAN_CP", "check_recipe_target", "megatron_args", "recipe", "recipe_warning", "torchtitan_toml",
            "write_recipe"]

@@ -289,7 +289,7 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
            ["phase", "collectives", "bytes/rank", "time"], rows, out)
     out.write("\n")
     if estimate is not None:
-        write_estimate(estimate, out)
+        write_estimate(estimate, out, plan.runtime.grad_overlap)
         out.write("\n")
     print_table(f"Memory per device (as {mem.framework or 'megatron'} allocates it)", ["", "bytes"],
                 memory_rows(mem, prog.ops[mem.peak_op].name if prog.ops else "-"), out)
@@ -419,8 +419,9 @@ def _links_text(d: Any) -> str:
     return "; ".join(said)
 
 
-def write_estimate(est: StepEstimate, out: TextIO) -> None:
-    """The predicted step (spmdkit.cost.step.estimate_step) as a table and a few lines."""
+def write_estimate(est: StepEstimate, out: TextIO, grad_overlap: bool = True) -> None:
+    """The predicted step (spmdkit.cost.step.estimate_step) as a table and a few lines
+    (``grad_overlap`` False: ``--no-grad-overlap``, the gradient reductions after the backward)."""
     d = est.device
     peak = est.peak / 1e12
     out.write(f"Device: {d.name}, {peak:g} TFLOP/s dense at the program's dtype, HBM "
@@ -441,8 +442,10 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
                 "framework's overlaps; spmdkit.cost.step)",
            ["", "compute", "communication"], rows, out)
     exposed = est.step_overlap_s - est.compute_total_s
-    out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
-              f"reductions overlapped with the backward ({fmt_time(exposed)} of communication exposed)\n")
+    how = "with the gradient reductions overlapped with the backward" if grad_overlap else \
+        "with the framework's overlaps, the gradient reductions after the last backward (--no-grad-overlap)"
+    out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} {how} "
+              f"({fmt_time(exposed)} of communication exposed)\n")
     if est.ep_overlap is not None:
         eo = est.ep_overlap
         m = eo["microbatches"]

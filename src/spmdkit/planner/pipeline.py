@@ -140,6 +140,9 @@ class PipelineEstimate:
     #: per device: the all-reduce of the tied parameters' gradients among the stages holding a copy
     #: (:func:`spmdkit.planner.stage_costs.shared_parameters`), after its gradient reductions
     tied_s: list[float] = field(default_factory=list)
+    #: the data-parallel gradient reductions start under the last backward (False: ``--no-grad-overlap``,
+    #: after it, :func:`step_times`)
+    grad_overlap: bool = True
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -306,6 +309,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     est.peak = device.matmul_peak(plan.program.param_dtype() or "float32")
     est.device_name = device.name
     est.device_memory = device.memory_bytes
+    est.grad_overlap = plan.runtime.grad_overlap
     est.extra["slowest_gpu"] = device.slowest_json()
     return est
 
@@ -470,7 +474,8 @@ def _torch_rank(plan: Plan, costs: list[StageCost], schedule: str, p: int, v: in
         out = s.send_bytes if k < n - 1 else logits
         chunks.append(ChunkBytes(max(0, s.stash_bytes - got), max(0, s.working_peak - got), s.parameters,
                                  s.optimizer_states, s.gradients, s.unsharded_parameters, s.unsharded_gradients,
-                                 got, out, s.send_bytes if k < n - 1 else 0, s.gather_pool, s.rs_held))
+                                 got, out, s.send_bytes if k < n - 1 else 0, s.gather_pool, s.rs_held,
+                                 fsdp=s.unsharded_gradients > 0))
     peak = torch_rank_memory(chunks, order, m)
     mine = [costs[c * p + r] for c in range(v)]
     peak_op = max(mine, key=lambda c: c.working_peak).peak_op

@@ -87,6 +87,9 @@ class ChunkBytes:
     grad_recv_bytes: int  # one microbatch's output gradients received (0 on the last stage)
     gather_pool: int = 0  # FSDP2's all-gather copy-in pool: two consecutive groups' gathered parameters
     rs_held: int = 0    # the last group's reduce-scatter input, held from one step's last backward to the next's
+    #: its parameters sharded by FSDP2 (ZeRO-3); False: autograd accumulates ``gradients`` in place
+    #: (``param.grad``, DDP's ``no_sync`` or no data parallelism) from the stage's first backward on
+    fsdp: bool = True
 
 
 @dataclass(frozen=True)
@@ -179,8 +182,9 @@ def torch_rank_memory(chunks: Sequence[ChunkBytes], order: Sequence[tuple[str, i
         buf = recv + sum(fwd_done[i] * chunks[i].output_bytes + bwd_done[i] * chunks[i].input_bytes for i in range(v))
         params = const_p + sum(chunks[i].unsharded_parameters for i in range(v) if gathered[i] and not finished[i])
         grads = sum(chunks[i].unsharded_gradients for i in range(v) if started[i] and not finished[i])
-        grads += sum(chunks[i].gradients for i in range(v) if finished[i]) + rs_held
-        pools = copy_in + sum(chunks[i].gradients for i in range(v) if not finished[i])
+        grads += sum(chunks[i].gradients for i in range(v) if finished[i] or (started[i] and not chunks[i].fsdp))
+        grads += rs_held
+        pools = copy_in + sum(chunks[i].gradients for i in range(v) if not finished[i] and chunks[i].fsdp)
         total = params + grads + states + act + buf + pools
         if total > best_total:
             best_total = total

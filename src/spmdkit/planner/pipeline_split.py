@@ -74,6 +74,11 @@ def parse_spec(pp: int, microbatches: Any = None, schedule: Any = None, virtual:
         raise ProgramError(f"--microbatch-group {n}: groups the microbatches of the interleaved schedule's model "
                            f"chunks; --schedule {sched} has none (give --schedule interleaved)")
     if sched == "interleaved":
+        if v == 1:  # neither framework interleaves one chunk a device (priced, it held 1F1B's in-flight twice)
+            raise ProgramError("--virtual-stages 1: the interleaved schedule runs at least 2 model chunks a device "
+                               "(Megatron-LM takes 1 as no interleaving, plain 1F1B; torchtitan refuses a multi-stage "
+                               "schedule with fewer than 2 stages a rank): give --virtual-stages 2 or more, or "
+                               "--schedule 1f1b")
         v = v or 2
         if n is not None:
             check_microbatch_group(pp, m, n)

@@ -116,6 +116,18 @@ def check_microbatch_group(p: int, m: int, group: int) -> None:
                            f"--microbatches a multiple of {group} or one that leaves at least {p}")
 
 
+def interleaved_p2p_problem(pp: int, p2p_overlap: bool, framework: str) -> str | None:
+    """Why Megatron-LM refuses its interleaved schedule over ``pp`` ranks with blocking sends
+    (``--no-p2p-overlap``, its ``--no-overlap-p2p-communication``), None where it runs it: its
+    ``validate_args`` (d98e8a64dd ``megatron/training/arguments``) asserts pp > 2 there, the batched
+    sends and receives of one exchange otherwise pairing the same 2 ranks twice (before 2023 it
+    asserted pp > 2 for every interleaved run; torchtitan has no such option)."""
+    if pp != 2 or p2p_overlap or framework != "megatron":
+        return None
+    return ("--no-p2p-overlap: Megatron-LM's interleaved schedule over pp=2 needs the stage-to-stage overlap (its "
+            "default; under --no-overlap-p2p-communication validate_args asserts pp > 2)")
+
+
 def interleaved_warmup(p: int, v: int, m: int, r: int, extra_warm: int = 0, group: int | None = None) -> int:
     """Device ``r``'s warm-up forwards under the interleaved schedule (Megatron-Core's
     ``get_pp_rank_microbatches``: ``(p - r - 1) 2 + (v - 1) N``, ``N`` the microbatch ``group``,

@@ -248,7 +248,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     else:
         cfg_model, sizes = _model_sizes(model, overrides)
         sizes = replace(sizes, micro=micro_batch)
-    work, refused = _work(devices, pipeline, sizes, given, auto, runtime is not None and runtime.tp_comm_overlap)
+    work, refused = _work(devices, pipeline, sizes, given, auto, runtime is not None and runtime.tp_comm_overlap,
+                          runtime)
     job = _Job(dev, sizes.tokens, modes, cap, pins, cost_text, nodes_of, time_limit, patterns, runtime or Runtime(),
                fold=fold)
     if prune is None:  # a MoE model's search, where ep multiplies the meshes, when it is large; a large cluster's

@@ -19,7 +19,9 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.memory_saved import recompute_regions
 from spmdkit.models.zoo import ModelConfig
+from spmdkit.planner.schedules import interleaved_p2p_problem
 from spmdkit.program.ir import Program
+from spmdkit.program.runtime import Runtime
 from spmdkit.strategies.context import hf_cp
 from spmdkit.strategies.experts import tp_chunks
 from spmdkit.strategies.hf_program import data_inputs
@@ -300,10 +302,12 @@ def program_sizes(prog: Program, layers: int, tokens: int | None, experts: int, 
 
 
 def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
-          auto: bool, tp_comm_overlap: bool = False) -> tuple[list[Config], list[tuple[Config, str]]]:
+          auto: bool, tp_comm_overlap: bool = False, runtime: Runtime | None = None
+          ) -> tuple[list[Config], list[tuple[Config, str]]]:
     """The configurations to plan (recomputation "none": the modes are priced on one plan) and
     those refused before planning, with the reason (under ``tp_comm_overlap``, ``--tp-comm-overlap``,
-    :func:`~spmdkit.strategies.strategy.tp_comm_overlap_problem`, as ``plan`` refuses it)."""
+    :func:`~spmdkit.strategies.strategy.tp_comm_overlap_problem`, as ``plan`` refuses it; the
+    interleaved schedule ``runtime``'s framework refuses, :func:`~spmdkit.planner.schedules.interleaved_p2p_problem`)."""
     work: list[Config] = []
     refused: list[tuple[Config, str]] = []
     batch = sizes.batch
@@ -366,7 +370,12 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
                         and sizes.layers >= 2 * pp:
                     # interleaved 1F1B (Megatron-LM's needs m % pp == 0): 2 chunks a rank, and 4 and
                     # 8 where they split the layers evenly (NeMo's Mixtral-8x7B: pp=4 x vp=8)
-                    work += [replace(cfg, virtual=v) for v in VIRTUAL if v == 2 or sizes.layers % (pp * v) == 0]
+                    chunks = [replace(cfg, virtual=v) for v in VIRTUAL if v == 2 or sizes.layers % (pp * v) == 0]
+                    why = interleaved_p2p_problem(pp, runtime.p2p_overlap, runtime.framework) if runtime else None
+                    if why is None:
+                        work += chunks
+                    else:  # as plan refuses it
+                        refused += [(c, why) for c in chunks]
     return work, refused
 
 
