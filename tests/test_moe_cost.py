@@ -135,6 +135,31 @@ def test_skew_without_ep_or_with_padding_changes_nothing() -> None:
     assert busiest_load(replace(plan, runtime=Runtime(moe_skew=3.0))) == {}
 
 
+def test_the_mean_rounded_up_is_no_padding_and_a_factor_below_one_fills_every_expert() -> None:
+    """Dropless routing's capacity is the mean rounded up: at 257 tokens Mixtral's experts average
+    257 x 2 / 8 = 64.25 rows, capacity 65, and --moe-skew still loads the busiest ep rank (it
+    was read as padding, 65 x 8 > 514, and the skew silently changed nothing); a capacity
+    factor of 0.5 (capacity 33, every expert full, the tokens past it dropped) fixes each expert's
+    rows at the capacity, so skew cannot raise them (it was priced at rho x the capacity). Experts
+    over dp = 2 (ep = dp), as _plan(ep=True)."""
+    skew = Runtime(moe_skew=3.0)
+    odd = plan_preset("mixtral-8x7b", "dp=2", "dp", {"layers": 1, "seq": 257, "batch": 4},
+                      {s: [0, -1, -1] for s in STACKS})[1]
+    la = moe_layers(odd.program)[0]
+    assert (la.capacity, la.tokens, la.padded) == (65, 257, False)
+    loads = set(busiest_load(replace(odd, runtime=skew)).values())  # ep = 2: rho = (F + 6) / 7
+    assert len(loads) == 1 and loads.pop() == pytest.approx((3.0 + 6) / 7)
+    cfg = preset("mixtral-8x7b").with_(layers=1, seq=256, batch=4, capacity_factor=0.5)
+    loaded = load_preset(Preset("mixtral-8x7b", 1, 4, 256), cfg)
+    mesh = parse_mesh("dp=2")
+    assert loaded.model is not None
+    half = propagate(loaded.program, mesh, annotate(loaded.model, mesh, parse_strategy("dp", mesh),
+                                                    {s: [0, -1, -1] for s in STACKS}))
+    lh = moe_layers(half.program)[0]
+    assert (lh.capacity, lh.padded) == (32, True)
+    assert busiest_load(replace(half, runtime=skew)) == {}
+
+
 def test_histogram_load_and_memory() -> None:
     """Tokens per expert [3, 1, 1, 1 | 1, 1, 1, 1] on 2 ep ranks: the busiest holds 6 of a mean
     5 (rho = 1.2); its dispatched activations grow by the same factor."""

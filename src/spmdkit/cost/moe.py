@@ -19,8 +19,8 @@ docs/devices.md, "Mixture of experts".
   rank receives (:class:`ExpertRows`): the skew rule's hot expert and even rest or the
   histogram's counts as they are (:func:`busiest_experts`), under ``--moe-routing topk`` each
   count binomial over the tokens (a token picks a given expert with chance ``top_k / E``) and
-  its tiles expected under a normal approximation, under ``balanced`` (or a capacity factor above
-  1, or a histogram) exact. The weight gradient's K is the rows: its time, linear in K under
+  its tiles expected under a normal approximation, under ``balanced`` (or a capacity factor other
+  than 1, or a histogram) exact. The weight gradient's K is the rows: its time, linear in K under
   the model (``K / (K + K0)``), is the mean expert's.
 - Load imbalance (:func:`rank_load`): uniform routing gives every expert ``tokens x top_k / E``;
   ``--moe-skew F`` gives the busiest expert ``F`` times that and the others an even share of the
@@ -31,9 +31,10 @@ docs/devices.md, "Mixture of experts".
   n_e / ep)``; with one skewed expert ``rho = (F + (E/ep - 1) (E - F) / (E - 1)) / (E/ep)``
   (1 without ep: one rank holds every expert). Under dropless routing (capacity = the mean,
   the zoo's default) the busiest rank's expert GEMMs, activations and the all-to-alls that
-  deliver and return its tokens carry ``rho`` times the tokens; with a capacity factor above 1
-  the buffers are padded to the capacity (the GEMMs run on the padded rows, tokens past it
-  are dropped) and skew changes nothing.
+  deliver and return its tokens carry ``rho`` times the tokens; with a capacity factor other
+  than 1 every expert runs its capacity's rows (above 1 the buffers padded to it, below 1 every
+  expert full; tokens past it dropped either way: :attr:`MoeLayer.padded`) and skew changes
+  nothing.
 - Megatron-Core's alltoall dispatcher sorts the delivered rows by local expert and back
   (:func:`sorted_by_expert`): one more pass over the rows in each routing op.
 - The dispatch and combine all-to-alls (:func:`expert_all_to_all`): under ``--moe-dispatcher
@@ -91,9 +92,13 @@ class MoeLayer:
 
     @property
     def padded(self) -> bool:
-        """The capacity holds more than the mean an expert receives: a capacity factor above 1
-        pads the buffers (skew does not change the work)."""
-        return self.capacity * self.experts > math.ceil(self.tokens * self.top_k)
+        """The capacity is not the mean an expert receives, rounded up (``ceil(tokens x top_k /
+        E)``, the capacity a factor of 1 or none builds: :func:`spmdkit.models.zoo_moe.capacity`,
+        :func:`spmdkit.models.torch_import.moe.capacity_of`): a capacity factor above 1 pads every
+        expert's buffer to it, one below 1 drops the tokens past a capacity every expert fills;
+        either way each expert runs its capacity's rows and skew does not change the work. (The
+        mean's own rounding, 251 for Mixtral's 1001 x 2 / 8 = 250.25, is no padding.)"""
+        return self.capacity != -(-self.tokens * self.top_k // self.experts)
 
 
 #: _scan's answers by the program's id (the value keeps the program)
