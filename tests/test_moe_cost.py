@@ -197,6 +197,13 @@ def test_skew_validation_and_the_plan_time_checks() -> None:
         rank_load(Runtime(moe_skew=5.0), E, K, 2)
     with pytest.raises(ProgramError, match=r"^--moe-histogram: 3 experts given; the model's MoE layers have 8$"):
         rank_load(Runtime(moe_histogram=(1.0, 2.0, 3.0)), E, K, 2)
+    # a token's top-2 experts are two: an expert holds at most 1/2 of the routed tokens, 4 x the mean
+    # (planned at rho = 100 / (100 / 2) = 2 before: 'every token to expert 0 twice')
+    with pytest.raises(ProgramError) as e:
+        rank_load(Runtime(moe_histogram=(100.0, 0, 0, 0, 0, 0, 0, 0)), E, K, 2)
+    assert str(e.value) == ("--moe-histogram: expert 0 has 100 of the 100 tokens routed, 8 x the mean; an expert "
+                            "receives at most every token once, 4 x the mean (8 experts, top-2)")
+    assert rank_load(Runtime(moe_histogram=(4.0, 1, 1, 1, 0, 0, 0, 1)), E, K, 2) == pytest.approx(7 / 4)  # 4 of 8: at the bound
 
 
 def test_named_skew_figures_and_their_rank_load() -> None:

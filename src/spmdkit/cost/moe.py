@@ -215,6 +215,11 @@ def busiest_experts(rt: Runtime, experts: int, top_k: int, ep: int) -> tuple[tup
         h = rt.moe_histogram
         if len(h) != experts:
             raise ProgramError(f"--moe-histogram: {len(h)} experts given; the model's MoE layers have {experts}")
+        hot = max(range(experts), key=lambda e: h[e])
+        if h[hot] * top_k > sum(h) * (1 + 1e-9):  # a token's top_k experts are distinct: each at most once
+            raise ProgramError(f"--moe-histogram: expert {hot} has {h[hot]:g} of the {sum(h):g} tokens routed, "
+                               f"{h[hot] * experts / sum(h):.3g} x the mean; an expert receives at most every token "
+                               f"once, {experts / top_k:g} x the mean ({experts} experts, top-{top_k})")
         if experts % ep:
             return None
         per, mean = experts // ep, sum(h) / experts
