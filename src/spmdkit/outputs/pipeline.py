@@ -80,7 +80,9 @@ def write_moe_memory(mm: MoeMemory, out: TextIO) -> None:
     """The fullest rank's memory split into its experts and the rest, with the divisors
     (:class:`spmdkit.planner.pipeline_moe.MoeMemory`)."""
     local = mm.expert_elements // max(1, mm.ep)
-    out.write(f"MoE memory of pipeline rank {mm.rank} ({mm.layers} layers, {mm.moe_layers} with {mm.experts} experts; "
+    held = f"{mm.layers} layer{'' if mm.layers == 1 else 's'}" + (
+        f" and {mm.mtp_modules} MTP module{'' if mm.mtp_modules == 1 else 's'}" if mm.mtp_modules else "")
+    out.write(f"MoE memory of pipeline rank {mm.rank} ({held}, {mm.moe_layers} of them with {mm.experts} experts; "
               f"experts over ep={mm.ep}, their states over edp = {mm.edp}, the rest data parallel over "
               f"{mm.dense_dp}):\n")
     rows = [["parameters", fmt_bytes(mm.expert_parameters), fmt_bytes(mm.dense_parameters)],
