@@ -332,3 +332,26 @@ def test_fp8_casts_the_local_expert_stack_once_not_per_gemm_batch() -> None:
     # up and down: their weights alone (their inputs are the gate's, cast once, and the SwiGLU's output);
     # the gate: its weight and the dispatched tokens, 2 sequences x 8 experts x capacity 64 x H on this rank
     assert casts == [4 * weight, 4 * weight, 4 * (weight + 2 * 8 * 64 * H)]
+
+
+def test_the_report_says_the_busiest_rank_s_load(capsys: pytest.CaptureFixture[str]) -> None:
+    """--moe-histogram / --moe-skew move the step (the busiest ep rank's tokens) but the report
+    said nothing of them: the reshard tables print the uniform bytes. Tokens [1, 1, 1, 1, 1, 1, 2,
+    8] on ep = 4 (2 experts a rank): rank 3 holds 10 of the 16, the mean rank 4, so 2.5 x; the
+    JSON step has the same (moe_load), a uniform plan's has none."""
+    from spmdkit.cli import main
+
+    base = ["plan", "--model", "mixtral-8x7b", "--layers", "1", "--seq", "256", "--batch", "8", "--mesh", "dp=2,ep=4",
+            "--strategy", "dp,ep", "--device", "h100"]
+    hist = ["--moe-histogram", "[1, 1, 1, 1, 1, 1, 2, 8]"]
+    assert main([*base, *hist]) == 0
+    assert ("expert load (--moe-histogram): the busiest of the 4 ranks the experts are split over, rank 3 (experts "
+            "6-7) receives 2.500 x the mean rank's tokens;") in capsys.readouterr().out
+    assert main([*base, *hist, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"]["moe_load"] == {
+        "flag": "--moe-histogram", "ep": 4, "load": 2.5, "padded": False, "rank": 3, "experts": [6, 7]}
+    assert main([*base, "--moe-skew", "aux-loss"]) == 0  # rho = (1.52 + 6.48 / 7) / 2
+    assert "expert load (--moe-skew aux-loss (1.52)): the busiest of the 4 ranks the experts are split over " \
+           "receives 1.223 x the mean rank's tokens;" in capsys.readouterr().out
+    assert main([*base, "--json"]) == 0
+    assert "moe_load" not in json.loads(capsys.readouterr().out)["step"]

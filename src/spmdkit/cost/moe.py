@@ -267,6 +267,29 @@ class ExpertRows:
         return tuple((mu * f, math.sqrt(max(0.0, mu * f * (1.0 - f * self.share))) if self.share else 0.0, n) for f, n in fs)
 
 
+def load_summary(plan: Plan) -> dict[str, Any] | None:
+    """What ``--moe-skew`` / ``--moe-histogram`` do to the plan's MoE layers, for the report:
+    the flag, the ranks the experts are split over (``ep``), the busiest rank's load over the
+    mean rank's (:func:`rank_load`; 1 where every expert runs its capacity: ``padded``) and, for
+    a histogram, that rank and its experts; None under uniform routing or without MoE layers."""
+    rt = plan.runtime
+    layers = moe_layers(plan.program)
+    if (rt.moe_skew == 1.0 and rt.moe_histogram is None) or not layers:
+        return None
+    layer = layers[0]
+    ep = ep_degree(plan, layer)
+    padded = all(la.padded for la in layers)
+    out: dict[str, Any] = {"flag": "--moe-histogram" if rt.moe_histogram is not None else f"--moe-skew {skew_label(rt.moe_skew)}",
+                           "ep": ep, "load": 1.0 if padded else rank_load(rt, layer.experts, layer.top_k, ep),
+                           "padded": padded}
+    h = rt.moe_histogram
+    if h is not None and ep > 1 and layer.experts % ep == 0:
+        per = layer.experts // ep
+        r = max(range(ep), key=lambda k: sum(h[k * per:(k + 1) * per]))
+        out.update(rank=r, experts=[r * per, (r + 1) * per - 1])
+    return out
+
+
 def busiest_load(plan: Plan) -> dict[str, float]:
     """Tensor -> the factor its tokens carry on the busiest ep rank (:func:`rank_load`), for the
     expert computation of dropless MoE layers under expert parallelism; empty when uniform."""
@@ -640,5 +663,5 @@ def expert_all_to_all(plan: Plan, tensor: str, s: Step) -> float:
 
 
 __all__ = ["ExpertRows", "MoeLayer", "active_share", "busiest_experts", "busiest_load", "combine_rows_unkept", "ep_degree", "expert_dims", "expert_all_to_all", "expert_op_cost",
-           "expert_tensors", "gemm_streams", "grouped", "loaded", "moe_layers", "plan_loads", "plan_rows", "rank_load",
+           "expert_tensors", "gemm_streams", "grouped", "load_summary", "loaded", "moe_layers", "plan_loads", "plan_rows", "rank_load",
            "reached", "sorted_by_expert"]

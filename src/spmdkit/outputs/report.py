@@ -408,6 +408,25 @@ def context_notes(est: StepEstimate) -> list[str]:
     return notes
 
 
+def moe_load_note(est: StepEstimate) -> str | None:
+    """``--moe-skew`` / ``--moe-histogram``: the busiest ep rank's tokens over the mean rank's,
+    which the step waits for (spmdkit.cost.moe.load_summary), one line; None under uniform routing."""
+    ml = est.moe_load
+    if ml is None:
+        return None
+    head = f"expert load ({ml['flag']}): "
+    if ml["padded"]:
+        return head + ("changes nothing: every expert runs its capacity's rows (the model's capacity factor is not 1: "
+                       "padded above it, full below it, the tokens past it dropped)")
+    if ml["ep"] <= 1:
+        return head + ("one rank holds every expert, so its tokens are the mean; its grouped GEMM runs the experts' "
+                       "rows as they are (in the step time above)")
+    which = f", rank {ml['rank']} (experts {ml['experts'][0]}-{ml['experts'][1]})" if "rank" in ml else ""
+    return head + (f"the busiest of the {ml['ep']} ranks the experts are split over{which} receives "
+                   f"{ml['load']:.3f} x the mean rank's tokens; its expert GEMMs, activations and all-to-alls carry "
+                   f"them in the step time above and the memory (the reshard tables print the uniform bytes)")
+
+
 def ep_overlap_note(est: StepEstimate) -> str | None:
     """``--ep-comm-overlap`` without a pipeline: the merged steps and what they hide, one line;
     None without it."""
@@ -470,8 +489,9 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
     exposed = est.step_overlap_s - est.compute_total_s
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
               f"reductions overlapped with the backward ({fmt_time(exposed)} of communication exposed)\n")
-    if (note := ep_overlap_note(est)) is not None:
-        out.write(note + "\n")
+    for line in (moe_load_note(est), ep_overlap_note(est)):
+        if line is not None:
+            out.write(line + "\n")
     if d.slowdown > 1.0:
         share = est.slowest_gpu_s / est.step_overlap_s if est.step_overlap_s > 0 else 0.0
         out.write(f"slowest GPU: the step waits for the slowest of its {d.gpus} GPUs, expected "
@@ -515,6 +535,6 @@ def explain_table(rows: Sequence[LayerChoice]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["write_band", "RESHARD_OPTIONAL", "context_notes", "ep_overlap_note", "explain_table", "fmt_bytes", "fmt_flops", "fmt_time", "placements", "plan_json", "reshard_groups",
+__all__ = ["write_band", "RESHARD_OPTIONAL", "context_notes", "ep_overlap_note", "moe_load_note", "explain_table", "fmt_bytes", "fmt_flops", "fmt_time", "placements", "plan_json", "reshard_groups",
            "step_kinds", "write_estimate",
            "write_report"]
