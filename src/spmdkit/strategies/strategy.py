@@ -147,7 +147,7 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
         if s == "none":
             continue
         opt = parse_cp_option(s)
-        etp = parse_etp(s)
+        etp = parse_etp(s, mesh.shape[mesh.dim_index('tp')] if 'tp' in mesh.dim_names else None)
         if etp is None:
             etp = parse_ep_from(s)
         if etp is not None:
