@@ -355,3 +355,10 @@ def test_the_report_says_the_busiest_rank_s_load(capsys: pytest.CaptureFixture[s
            "receives 1.223 x the mean rank's tokens;" in capsys.readouterr().out
     assert main([*base, "--json"]) == 0
     assert "moe_load" not in json.loads(capsys.readouterr().out)["step"]
+    pipe = ["plan", "--model", "mixtral-8x7b", "--layers", "2", "--seq", "256", "--batch", "16", "--microbatches",
+            "2", "--mesh", "pp=2,dp=2,ep=4", "--strategy", "dp,ep", "--device", "h100", *hist]
+    assert main(pipe) == 0  # a pipeline's report: the same line below its step time
+    assert "expert load (--moe-histogram): the busiest of the 4 ranks the experts are split over, rank 3 (experts " \
+           "6-7) receives 2.500 x the mean rank's tokens;" in capsys.readouterr().out
+    assert main([*pipe, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pipeline"]["moe_load"]["load"] == 2.5

@@ -139,7 +139,7 @@ def step_section(plan: Plan, est: Any, assumed: str | None, pipe: Any) -> str:
     if est.rings:
         rows += f"<tr><td>ring attention (KV blocks passed round cp)</td><td>-</td><td>{fmt_time(est.ring_comm_s)}</td></tr>"
     rows += (f"<tr><td>total</td><td>{fmt_time(est.compute_total_s)}</td><td>{fmt_time(est.comm_total_s)}</td></tr>")
-    notes = "".join(f"<p>{esc(n)}</p>" for n in [moe_load_note(est), ep_overlap_note(est), *context_notes(est)] if n)
+    notes = "".join(f"<p>{esc(n)}</p>" for n in [moe_load_note(est.moe_load), ep_overlap_note(est), *context_notes(est)] if n)
     note = f' <b>{esc(assumed)}</b>' if assumed else ""
     when = "every one reduce-scatters its ZeRO gradients" if plan.microstep_reductions() else \
         "the gradients are reduced after the last"

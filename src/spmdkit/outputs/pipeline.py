@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from spmdkit.outputs.report import fmt_bytes, fmt_time, verdict_line, write_band
+from spmdkit.outputs.report import fmt_bytes, fmt_time, moe_load_note, verdict_line, write_band
 from spmdkit.outputs.tables import print_table
 from spmdkit.planner.bubble import BubbleHint
 from spmdkit.planner.pipeline import PipelineEstimate
@@ -69,6 +69,8 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
         if any(c.each for c in est.stages) else "the last backward"
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
               f"reductions overlapping {when}\n")
+    if (load := moe_load_note(est.moe_load)) is not None:
+        out.write(load + "\n")
     if est.tokens:
         out.write(f"tokens/s: {est.tokens_per_s or 0:,.0f} ({est.tokens} tokens per step); MFU "
                   f"{100 * (est.mfu or 0):.1f}% ({est.tflops_per_gpu or 0:.0f} model TFLOP/s per GPU over "

@@ -408,10 +408,10 @@ def context_notes(est: StepEstimate) -> list[str]:
     return notes
 
 
-def moe_load_note(est: StepEstimate) -> str | None:
+def moe_load_note(ml: dict[str, Any] | None) -> str | None:
     """``--moe-skew`` / ``--moe-histogram``: the busiest ep rank's tokens over the mean rank's,
-    which the step waits for (spmdkit.cost.moe.load_summary), one line; None under uniform routing."""
-    ml = est.moe_load
+    which the step waits for (``ml``: spmdkit.cost.moe.load_summary, a step's or a pipeline's
+    ``moe_load``), one line; None under uniform routing."""
     if ml is None:
         return None
     head = f"expert load ({ml['flag']}): "
@@ -489,7 +489,7 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
     exposed = est.step_overlap_s - est.compute_total_s
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
               f"reductions overlapped with the backward ({fmt_time(exposed)} of communication exposed)\n")
-    for line in (moe_load_note(est), ep_overlap_note(est)):
+    for line in (moe_load_note(est.moe_load), ep_overlap_note(est)):
         if line is not None:
             out.write(line + "\n")
     if d.slowdown > 1.0:
