@@ -197,6 +197,15 @@ def test_skew_validation_and_the_plan_time_checks() -> None:
         rank_load(Runtime(moe_skew=5.0), E, K, 2)
     with pytest.raises(ProgramError, match=r"^--moe-histogram: 3 experts given; the model's MoE layers have 8$"):
         rank_load(Runtime(moe_histogram=(1.0, 2.0, 3.0)), E, K, 2)
+    # --moe-routing balanced gives every expert the mean: a skew or a histogram beside it contradicts it
+    # (it was accepted, the histogram's load priced over the balanced routing's exact counts)
+    with pytest.raises(ProgramError) as e:
+        Runtime(moe_routing="balanced", moe_histogram=(1.0, 2.0))
+    assert str(e.value) == ("--moe-histogram with --moe-routing balanced: balanced routing gives every expert the "
+                            "same tokens (fake_balanced_gate), so no expert is busier; give one, not both")
+    with pytest.raises(ProgramError, match=r"^--moe-skew aux-loss \(1.52\) with --moe-routing balanced: "):
+        Runtime(moe_routing="balanced", moe_skew=1.52)
+    assert Runtime(moe_routing="balanced").moe_skew == 1.0
     # a token's top-2 experts are two: an expert holds at most 1/2 of the routed tokens, 4 x the mean
     # (planned at rho = 100 / (100 / 2) = 2 before: 'every token to expert 0 twice')
     with pytest.raises(ProgramError) as e:
