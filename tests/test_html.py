@@ -334,3 +334,17 @@ def test_the_step_section_has_the_report_s_context_parallel_lines(tmp_path: Path
         assert f"<p>{H.esc(ln)}</p>" in step
     for row in ("ring attention (KV blocks passed round cp)", "recomputation (selective)", "total"):
         assert f"<tr><td>{row}</td>" in step
+
+
+def test_a_moe_pipeline_page_has_the_report_s_moe_memory_breakdown(tmp_path: Path) -> None:
+    """The text report of a MoE pipeline splits the fullest rank's memory into its experts and
+    the rest, with the divisors (ep, edp, the dense data-parallel ranks); the page had the
+    per-rank totals alone."""
+    out = tmp_path / "moe.html"
+    cfg = json.dumps({"base": "tiny-llama", "experts": 4, "top_k": 2, "moe_ffn": 8, "layers": 2})
+    rc, text = cli_stdout("plan", "--model-config", cfg, "--mesh", "pp=2,dp=2,ep=2", "--strategy", "dp,ep", "--batch",
+                          "8", "--html", str(out))
+    assert rc == 0
+    head = next(ln for ln in text.splitlines() if ln.startswith("MoE memory of pipeline rank"))
+    page = out.read_text()
+    assert H.esc(head) in page[page.index('<section id="memory">'):]
