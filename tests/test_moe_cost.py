@@ -181,6 +181,8 @@ def test_histogram_load_and_memory() -> None:
     ("[0, 0]", "--moe-histogram: every expert has 0 tokens; expected some tokens routed"),
     ("[1, true]", "--moe-histogram: expert 1 has true tokens; expected a number >= 0"),
     ("[1,", "--moe-histogram '[1,': not a JSON list of tokens per expert"),
+    # a JSON object inline: named as not a list (it was looked for as a file: "cannot read: No such file")
+    ('{"e0": 3}', "--moe-histogram: expected a non-empty JSON list of tokens per expert"),
 ])
 def test_histogram_validation(text: str, msg: str) -> None:
     with pytest.raises(ProgramError) as e:

@@ -433,7 +433,7 @@ def parse_moe_histogram(text: str | None) -> tuple[float, ...] | None:
     if text is None:
         return None
     t = text.strip()
-    if t.startswith("["):
+    if t.startswith(("[", "{")):  # JSON inline (an object is named as not a list, not looked for as a file)
         try:
             obj = json.loads(t)
         except (json.JSONDecodeError, RecursionError, ValueError):
