@@ -141,7 +141,10 @@ def test_causal_flash_attention_without_positions_on_a_split_sequence_is_caught(
     ("dp=2,tp=2", "megatron,cp-attention=ring", "--cp-attention ring: context parallelism is not asked for (add cp "
                                                 "to --strategy and a cp dim to --mesh)"),
     ("cp=2", "cp,cp-attention=mesh", "--cp-attention 'mesh': not one of allgather, ring, alltoall"),
-], ids=["no-cp-dim", "sequence", "alltoall-heads", "option-without-cp", "unknown-variant"])
+    # a cp dim of one rank: the option was accepted and changed nothing
+    ("dp=2,cp=1", "dp,cp,cp-attention=ring", "--cp-attention ring: --mesh cp=1 splits no sequence, so no attention is "
+                                             "split for it to run; give a cp dim of 2 or more"),
+], ids=["no-cp-dim", "sequence", "alltoall-heads", "option-without-cp", "unknown-variant", "cp-of-one"])
 def test_errors_name_the_flag_value_and_what_is_wrong(mesh: str, strategy: str, msg: str) -> None:
     with pytest.raises(ProgramError) as e:
         plan_model("tiny-llama", mesh, strategy)

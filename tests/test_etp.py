@@ -53,9 +53,16 @@ def test_etp_items_parse_and_refuse() -> None:
     mesh = parse_mesh("dp=2,ep=2,tp=2")
     assert parse_strategy("megatron,sp,ep,etp=1", mesh) == ("dp", "megatron", "sp", "ep", "etp=1")
     assert parse_strategy("megatron,ep,etp=tp", mesh) == ("dp", "megatron", "ep")  # the default, nothing added
+    # the tp size as a number is the default too (Megatron's --expert-tensor-parallel-size 2 beside
+    # --tensor-model-parallel-size 2): it was refused as 'expert tensor parallel is 1 ... or tp'
+    assert parse_strategy("megatron,ep,etp=2", mesh) == ("dp", "megatron", "ep")
+    with pytest.raises(ProgramError, match=r"^--strategy etp=4: expert tensor parallel is 1 \(each expert whole, "
+                                           r"experts over ep x tp\) or tp \(the tp dim's size, 2: each expert split "
+                                           r"over tp: the default\)$"):
+        parse_strategy("megatron,ep,etp=4", mesh)
     with pytest.raises(ProgramError, match=r"^--strategy etp=2: expert tensor parallel is 1 \(each expert whole, "
                                            r"experts over ep x tp\) or tp \(each expert split over tp: the default\)$"):
-        parse_strategy("megatron,ep,etp=2", mesh)
+        parse_strategy("dp,ep,etp=2", parse_mesh("dp=2,ep=2"))  # no tp dim
     with pytest.raises(ProgramError, match=r"^--strategy etp=1: expert tensor parallel = 1 folds the experts over "
                                            r"ep x tp; it needs expert parallelism \(ep\) in --strategy$"):
         parse_strategy("megatron,sp,etp=1", mesh)

@@ -142,9 +142,11 @@ def test_megatron_runs_the_experts_in_rounds_of_four_streams() -> None:
 def test_rounds_keep_the_hot_expert_in_the_first() -> None:
     """--moe-skew's busiest rank (the hot expert first, then the even rest) over 16 local
     experts: the first round holds the hot expert and three of the rest, the others four of the
-    rest each; a round's GEMM has its own experts' mean rows."""
+    rest each; a round's GEMM has its own experts' mean rows. The skew of 2 as exact counts: the
+    histogram [254, 126 x 127] (mean 127: the hot expert 2 x, the rest 126 / 127 x; it was
+    --moe-skew 2 with --moe-routing balanced, a pair now refused as contradictory)."""
     plan = plan_preset("qwen3-30b-a3b", "ep=8", "ep", {"layers": 1, "seq": 512, "batch": 8})[1]
-    p = replace(plan, runtime=Runtime(moe_skew=2.0, moe_routing="balanced"))
+    p = replace(plan, runtime=Runtime(moe_histogram=(254.0,) + (126.0,) * 127))
     i = next(i for i, op in enumerate(p.program.ops)
              if op.phase == "forward" and op.rule == "matmul" and any("experts" in n and "gate" in n for n in op.input_names()))
     c = op_cost(p, i)

@@ -316,3 +316,38 @@ def test_page_renders_in_chromium(tmp_path: Path, page: str, llama: tuple[Any, A
     assert body["data-selftest-filtered"] == str(want) and 0 < want < len(reshard_groups(plan))
     cards = re.findall(r'<div class="card" data-name="([^"]+)"', page)
     assert body["data-selftest-tensors"] == str(sum("wq" in n for n in cards)) != "0"
+
+
+def test_the_step_section_has_the_report_s_context_parallel_lines(tmp_path: Path) -> None:
+    """A cp plan's page gives what the text report gives below its step table: the ring's row and
+    its exposure line, the causal imbalance without zig-zag, the recomputation's row and the
+    total (the page had none of them: a reader of the page could not see the ring exposed)."""
+    out = tmp_path / "cp.html"
+    argv = ["plan", "--model", "llama3-8b", "--mesh", "dp=2,cp=4", "--strategy", "dp,cp", "--cp-attention", "ring",
+            "--cp-balance", "none", "--seq", "8192", "--batch", "2", "--layers", "2", "--device", "h100",
+            "--recompute", "selective"]
+    rc, text = cli_stdout(*argv, "--html", str(out))
+    assert rc == 0
+    step = out.read_text()
+    step = step[step.index('<section id="step">'):]
+    step = step[:step.index("</section>")]
+    lines = [ln for ln in text.splitlines() if ln.startswith(("ring attention over cp=4:", "causal imbalance:"))]
+    assert len(lines) == 2
+    for ln in lines:
+        assert f"<p>{H.esc(ln)}</p>" in step
+    for row in ("ring attention (KV blocks passed round cp)", "recomputation (selective)", "total"):
+        assert f"<tr><td>{row}</td>" in step
+
+
+def test_a_moe_pipeline_page_has_the_report_s_moe_memory_breakdown(tmp_path: Path) -> None:
+    """The text report of a MoE pipeline splits the fullest rank's memory into its experts and
+    the rest, with the divisors (ep, edp, the dense data-parallel ranks); the page had the
+    per-rank totals alone."""
+    out = tmp_path / "moe.html"
+    cfg = json.dumps({"base": "tiny-llama", "experts": 4, "top_k": 2, "moe_ffn": 8, "layers": 2})
+    rc, text = cli_stdout("plan", "--model-config", cfg, "--mesh", "pp=2,dp=2,ep=2", "--strategy", "dp,ep", "--batch",
+                          "8", "--html", str(out))
+    assert rc == 0
+    head = next(ln for ln in text.splitlines() if ln.startswith("MoE memory of pipeline rank"))
+    page = out.read_text()
+    assert H.esc(head) in page[page.index('<section id="memory">'):]

@@ -135,6 +135,31 @@ def test_skew_without_ep_or_with_padding_changes_nothing() -> None:
     assert busiest_load(replace(plan, runtime=Runtime(moe_skew=3.0))) == {}
 
 
+def test_the_mean_rounded_up_is_no_padding_and_a_factor_below_one_fills_every_expert() -> None:
+    """Dropless routing's capacity is the mean rounded up: at 257 tokens Mixtral's experts average
+    257 x 2 / 8 = 64.25 rows, capacity 65, and --moe-skew still loads the busiest ep rank (it
+    was read as padding, 65 x 8 > 514, and the skew silently changed nothing); a capacity
+    factor of 0.5 (capacity 33, every expert full, the tokens past it dropped) fixes each expert's
+    rows at the capacity, so skew cannot raise them (it was priced at rho x the capacity). Experts
+    over dp = 2 (ep = dp), as _plan(ep=True)."""
+    skew = Runtime(moe_skew=3.0)
+    odd = plan_preset("mixtral-8x7b", "dp=2", "dp", {"layers": 1, "seq": 257, "batch": 4},
+                      {s: [0, -1, -1] for s in STACKS})[1]
+    la = moe_layers(odd.program)[0]
+    assert (la.capacity, la.tokens, la.padded) == (65, 257, False)
+    loads = set(busiest_load(replace(odd, runtime=skew)).values())  # ep = 2: rho = (F + 6) / 7
+    assert len(loads) == 1 and loads.pop() == pytest.approx((3.0 + 6) / 7)
+    cfg = preset("mixtral-8x7b").with_(layers=1, seq=256, batch=4, capacity_factor=0.5)
+    loaded = load_preset(Preset("mixtral-8x7b", 1, 4, 256), cfg)
+    mesh = parse_mesh("dp=2")
+    assert loaded.model is not None
+    half = propagate(loaded.program, mesh, annotate(loaded.model, mesh, parse_strategy("dp", mesh),
+                                                    {s: [0, -1, -1] for s in STACKS}))
+    lh = moe_layers(half.program)[0]
+    assert (lh.capacity, lh.padded) == (32, True)
+    assert busiest_load(replace(half, runtime=skew)) == {}
+
+
 def test_histogram_load_and_memory() -> None:
     """Tokens per expert [3, 1, 1, 1 | 1, 1, 1, 1] on 2 ep ranks: the busiest holds 6 of a mean
     5 (rho = 1.2); its dispatched activations grow by the same factor."""
@@ -156,6 +181,8 @@ def test_histogram_load_and_memory() -> None:
     ("[0, 0]", "--moe-histogram: every expert has 0 tokens; expected some tokens routed"),
     ("[1, true]", "--moe-histogram: expert 1 has true tokens; expected a number >= 0"),
     ("[1,", "--moe-histogram '[1,': not a JSON list of tokens per expert"),
+    # a JSON object inline: named as not a list (it was looked for as a file: "cannot read: No such file")
+    ('{"e0": 3}', "--moe-histogram: expected a non-empty JSON list of tokens per expert"),
 ])
 def test_histogram_validation(text: str, msg: str) -> None:
     with pytest.raises(ProgramError) as e:
@@ -172,6 +199,22 @@ def test_skew_validation_and_the_plan_time_checks() -> None:
         rank_load(Runtime(moe_skew=5.0), E, K, 2)
     with pytest.raises(ProgramError, match=r"^--moe-histogram: 3 experts given; the model's MoE layers have 8$"):
         rank_load(Runtime(moe_histogram=(1.0, 2.0, 3.0)), E, K, 2)
+    # --moe-routing balanced gives every expert the mean: a skew or a histogram beside it contradicts it
+    # (it was accepted, the histogram's load priced over the balanced routing's exact counts)
+    with pytest.raises(ProgramError) as e:
+        Runtime(moe_routing="balanced", moe_histogram=(1.0, 2.0))
+    assert str(e.value) == ("--moe-histogram with --moe-routing balanced: balanced routing gives every expert the "
+                            "same tokens (fake_balanced_gate), so no expert is busier; give one, not both")
+    with pytest.raises(ProgramError, match=r"^--moe-skew aux-loss \(1.52\) with --moe-routing balanced: "):
+        Runtime(moe_routing="balanced", moe_skew=1.52)
+    assert Runtime(moe_routing="balanced").moe_skew == 1.0
+    # a token's top-2 experts are two: an expert holds at most 1/2 of the routed tokens, 4 x the mean
+    # (planned at rho = 100 / (100 / 2) = 2 before: 'every token to expert 0 twice')
+    with pytest.raises(ProgramError) as e:
+        rank_load(Runtime(moe_histogram=(100.0, 0, 0, 0, 0, 0, 0, 0)), E, K, 2)
+    assert str(e.value) == ("--moe-histogram: expert 0 has 100 of the 100 tokens routed, 8 x the mean; an expert "
+                            "receives at most every token once, 4 x the mean (8 experts, top-2)")
+    assert rank_load(Runtime(moe_histogram=(4.0, 1, 1, 1, 0, 0, 0, 1)), E, K, 2) == pytest.approx(7 / 4)  # 4 of 8: at the bound
 
 
 def test_named_skew_figures_and_their_rank_load() -> None:
@@ -300,3 +343,33 @@ def test_fp8_casts_the_local_expert_stack_once_not_per_gemm_batch() -> None:
     # up and down: their weights alone (their inputs are the gate's, cast once, and the SwiGLU's output);
     # the gate: its weight and the dispatched tokens, 2 sequences x 8 experts x capacity 64 x H on this rank
     assert casts == [4 * weight, 4 * weight, 4 * (weight + 2 * 8 * 64 * H)]
+
+
+def test_the_report_says_the_busiest_rank_s_load(capsys: pytest.CaptureFixture[str]) -> None:
+    """--moe-histogram / --moe-skew move the step (the busiest ep rank's tokens) but the report
+    said nothing of them: the reshard tables print the uniform bytes. Tokens [1, 1, 1, 1, 1, 1, 2,
+    8] on ep = 4 (2 experts a rank): rank 3 holds 10 of the 16, the mean rank 4, so 2.5 x; the
+    JSON step has the same (moe_load), a uniform plan's has none."""
+    from spmdkit.cli import main
+
+    base = ["plan", "--model", "mixtral-8x7b", "--layers", "1", "--seq", "256", "--batch", "8", "--mesh", "dp=2,ep=4",
+            "--strategy", "dp,ep", "--device", "h100"]
+    hist = ["--moe-histogram", "[1, 1, 1, 1, 1, 1, 2, 8]"]
+    assert main([*base, *hist]) == 0
+    assert ("expert load (--moe-histogram): the busiest of the 4 ranks the experts are split over, rank 3 (experts "
+            "6-7) receives 2.500 x the mean rank's tokens;") in capsys.readouterr().out
+    assert main([*base, *hist, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"]["moe_load"] == {
+        "flag": "--moe-histogram", "ep": 4, "load": 2.5, "padded": False, "rank": 3, "experts": [6, 7]}
+    assert main([*base, "--moe-skew", "aux-loss"]) == 0  # rho = (1.52 + 6.48 / 7) / 2
+    assert "expert load (--moe-skew aux-loss (1.52)): the busiest of the 4 ranks the experts are split over " \
+           "receives 1.223 x the mean rank's tokens;" in capsys.readouterr().out
+    assert main([*base, "--json"]) == 0
+    assert "moe_load" not in json.loads(capsys.readouterr().out)["step"]
+    pipe = ["plan", "--model", "mixtral-8x7b", "--layers", "2", "--seq", "256", "--batch", "16", "--microbatches",
+            "2", "--mesh", "pp=2,dp=2,ep=4", "--strategy", "dp,ep", "--device", "h100", *hist]
+    assert main(pipe) == 0  # a pipeline's report: the same line below its step time
+    assert "expert load (--moe-histogram): the busiest of the 4 ranks the experts are split over, rank 3 (experts " \
+           "6-7) receives 2.500 x the mean rank's tokens;" in capsys.readouterr().out
+    assert main([*pipe, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pipeline"]["moe_load"]["load"] == 2.5

@@ -150,6 +150,17 @@ def test_refusals(mesh: str, strategy: str, match: str) -> None:
         plan_model(json.dumps({**MOE, "layers": 1}), mesh, strategy)
 
 
+def test_the_model_config_s_cp_refusals_name_the_mesh_given() -> None:
+    """The zoo config's own checks (the zig-zag chunks, Gated DeltaNet's refusal) saw cp = cp x ep
+    under ep-from=cp and said '--mesh cp=4' of a mesh given as cp=2,ep=2; they now name it as the
+    alltoall refusal above does."""
+    with pytest.raises(ProgramError, match=r"^--mesh cp=2,ep=2 \(ep-from=cp: the sequence over cp x ep = 4\): the "
+                                           r"sequence of 36 tokens does not split into 2 x cp = 8 chunks"):
+        plan_model(json.dumps({**MOE, "layers": 1, "seq": 36}), "cp=2,ep=2", "cp,ep,ep-from=cp")
+    with pytest.raises(ProgramError, match=r"^--mesh cp=2: the sequence of 34 tokens does not split into 2 x cp = 4 "):
+        plan_model(json.dumps({**MOE, "layers": 1, "seq": 34}), "cp=2", "cp")  # cp alone: as before
+
+
 def test_ep_from_dp_is_the_default() -> None:
     """``ep-from=dp`` adds nothing (the batch over (dp, ep), as without it); with ``ep-from=cp`` a
     catalog model's default batch is one sequence a dp rank (not a dp x ep one). (An imported

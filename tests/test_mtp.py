@@ -160,3 +160,19 @@ def test_hf_configs_map_their_mtp_depth() -> None:
     assert hf_fields(qn)["mtp_layers"] == 1
     with pytest.warns(UserWarning, match=r"mtp_use_dedicated_embeddings \(the MTP layer planned with the shared"):
         hf_fields({**qn, "mtp_use_dedicated_embeddings": True})
+
+
+def test_the_moe_memory_line_counts_the_mtp_module_apart(capsys: pytest.CaptureFixture[str]) -> None:
+    """The pipeline's MoE memory names the last rank's MTP module beside its layers: 3 layers of
+    a tiny MoE with one MTP module on pp=2 split 2, 1; rank 1 holds one layer and the module, two
+    MoE layers. It said '1 layers, 2 with 4 experts' (DeepSeek-V3 on pp=16: rank 15 the same)."""
+    from spmdkit.cli import main
+
+    cfg = json.dumps({"base": "tiny-llama", "experts": 4, "top_k": 2, "moe_ffn": 8, "mtp_layers": 1, "layers": 3})
+    assert main(["plan", "--model-config", cfg, "--mesh", "pp=2,dp=2,ep=2", "--strategy", "dp,ep", "--batch", "8",
+                 "--json"]) == 0
+    mm = json.loads(capsys.readouterr().out)["pipeline"]["moe_memory"]
+    assert (mm["rank"], mm["layers"], mm["mtp_modules"], mm["moe_layers"]) == (1, 1, 1, 2)
+    assert main(["plan", "--model-config", cfg, "--mesh", "pp=2,dp=2,ep=2", "--strategy", "dp,ep", "--batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "MoE memory of pipeline rank 1 (1 layer and 1 MTP module, 2 of them with 4 experts;" in out

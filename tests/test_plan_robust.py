@@ -340,3 +340,21 @@ def test_argparse_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: 
     assert exc.value.code == 2
     lines = cap.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("spmdkit") and "error" in lines[0], cap.err
+
+
+def test_a_mesh_dim_the_strategy_leaves_idle_is_warned_of(capsys: pytest.CaptureFixture[str]) -> None:
+    """--mesh dp=2,ep=2 --strategy dp on a MoE model shards nothing over ep: its 2 ranks run the
+    same sequences and the same experts, the dim accepted and ignored without a word. One warning
+    names the dim, the strategy and what to do; a strategy using every dim (or the default
+    megatron over dp x tp) gets none."""
+    moe = ["--model-config", json.dumps({"base": "tiny-llama", "experts": 4, "top_k": 2, "moe_ffn": 8}), "--batch", "4"]
+    rc, _, err = plan(capsys, *moe, "--mesh", "dp=2,ep=2", "--strategy", "dp")
+    assert rc == 0
+    assert err.splitlines() == ["spmdkit plan: warning: --mesh ep=2: --strategy dp shards nothing over ep, so its 2 "
+                                "ranks repeat the same work (give a --strategy that uses ep, or drop it from --mesh)"]
+    rc, _, err = plan(capsys, *TINY, "--mesh", "dp=2,cp=2", "--strategy", "dp")
+    assert rc == 0 and "--mesh cp=2: --strategy dp shards nothing over cp" in err
+    for argv in ([*moe, "--mesh", "dp=2,ep=2", "--strategy", "dp,ep"], [*TINY, "--mesh", "dp=2,tp=2"],
+                 [*TINY, "--mesh", "dp=1,tp=2"]):
+        rc, _, err = plan(capsys, *argv)
+        assert rc == 0 and "shards nothing" not in err, (argv, err)

@@ -166,6 +166,19 @@ def test_a_flag_every_configuration_refuses_is_one_line() -> None:
         assert rc == 2 and out == "" and err.strip().splitlines()[-1].startswith(f"spmdkit plan: ProgramError: {message}")
 
 
+def test_cp_options_without_cp_are_refused_before_the_search() -> None:
+    """--devices --cp-attention ring without cp in --strategy: the search kept no mesh for a
+    strategy of cp's options alone; where the batch refused every other factorisation it ended
+    'no configuration ... give --batch 2 or 4' (exit 1), never naming the flag. Refused first,
+    saying how --devices takes it."""
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "4", "--batch", "1", "--cp-attention", "ring")
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines()[-1] == (
+        "spmdkit plan: ProgramError: --cp-attention ring: context parallelism is not asked for; with --devices give "
+        "cp in --strategy (e.g. --strategy dp,cp --cp-attention ring: the search tries it on its cp meshes) or drop "
+        "--cp-attention")
+
+
 def test_a_micro_batch_nothing_divides_is_named_with_the_ones_that_do() -> None:
     # '--global-batch 12 --micro-batch 5' said '5 have a data-parallel degree that does not divide the batch
     # 12 ...: give --batch 12' (the batch it had; --batch does not go with --global-batch)

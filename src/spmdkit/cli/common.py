@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from spmdkit.cli.request import Links, PlanRequest
+from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens
@@ -83,6 +84,33 @@ def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, 
     loaded = load(source)
     _prog, plan = plan_program(loaded.program, mesh_text, strategy_text, user, patterns, cost_text, grad_accum)
     return loaded, plan, time.perf_counter() - t0
+
+
+def idle_dims(plan: Plan) -> list[str]:
+    """The mesh dims of two or more ranks that no tensor of ``plan`` is sharded or partial over,
+    held, stored or read by an op (``name=size``): their ranks repeat the same work, a dim the
+    strategy accepted and did not use (``--mesh dp=2,ep=2 --strategy dp`` on a MoE model)."""
+    used: set[int] = set()
+    todo: list[Any] = [*plan.attrs.values(), *plan.storage.values(), *(o.required for o in plan.ops)]
+    while todo:
+        a = todo.pop()
+        if isinstance(a, TensorDistAttr):
+            used.update(d for e in a.dims_mapping for d in entry_dims(e))
+            used.update(d for d, _ in a.partial)
+        elif isinstance(a, dict):
+            todo += a.values()
+        elif isinstance(a, (list, tuple)):
+            todo += a
+    return [f"{n}={k}" for d, (n, k) in enumerate(zip(plan.mesh.dim_names, plan.mesh.shape)) if k > 1 and d not in used]
+
+
+def warn_idle_dims(plan: Plan, strategy: str | None) -> None:
+    """One warning a dim :func:`idle_dims` finds, naming it and the strategy."""
+    how = f"--strategy {strategy}" if strategy else "the plan"
+    for dim in idle_dims(plan):
+        name, _, size = dim.partition("=")
+        warnings.warn(f"--mesh {dim}: {how} shards nothing over {name}, so its {size} ranks repeat the same work "
+                      f"(give a --strategy that uses {name}, or drop it from --mesh)", stacklevel=2)
 
 
 def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
@@ -238,4 +266,4 @@ def auto_json(info: AutoInfo, cap: int | None) -> dict[str, Any]:
             "explain": [e.to_json() for e in info.explain]}
 
 
-__all__ = ["auto_items", "auto_json", "auto_time_limit", "block_recompute", "catalog_batch", "check_moe_flags", "export_plan_file", "mesh_dp", "plan_source", "step_estimate", "strategy_notes", "write_html"]
+__all__ = ["auto_items", "auto_json", "auto_time_limit", "block_recompute", "catalog_batch", "check_moe_flags", "export_plan_file", "idle_dims", "mesh_dp", "plan_source", "warn_idle_dims", "step_estimate", "strategy_notes", "write_html"]

@@ -78,7 +78,13 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
         model, what = m.model, model_label(m.model)
     check_moe_flags(req.links.runtime(), bool(moe_layers(model)) if isinstance(model, Program) else
                     bool(preset(model).experts))  # before the search
-    if "cp" in {s.split("=")[0] for s in strategy_items(req.strategy)} and 0 < (s := _seq_of(model, seq)) < LONG_SEQ:
+    items = strategy_items(req.strategy)
+    opts = [i for i in items if i.startswith(("cp-attention=", "cp-balance="))]
+    if opts and "cp" not in items:  # (the search kept no mesh for a strategy of cp's options alone, and blamed the batch)
+        k, _, v = opts[0].partition("=")
+        raise ProgramError(f"--{k} {v}: context parallelism is not asked for; with --devices give cp in --strategy "
+                           f"(e.g. --strategy dp,cp --{k} {v}: the search tries it on its cp meshes) or drop --{k}")
+    if "cp" in {s.split("=")[0] for s in items} and 0 < (s := _seq_of(model, seq)) < LONG_SEQ:
         # (the search found nothing to plan, and said only what it refused for other reasons)
         raise ProgramError(f"--strategy {req.strategy}: the --devices search tries context parallelism from "
                            f"{LONG_SEQ} tokens, and the sequence is {s}; plan cp at it on a given mesh (--mesh with "

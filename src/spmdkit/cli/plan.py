@@ -27,6 +27,7 @@ from spmdkit.cli.common import (
     require_simulator,
     step_estimate,
     strategy_notes,
+    warn_idle_dims,
     write_html,
 )
 from spmdkit.cli.devices import run_devices
@@ -184,6 +185,7 @@ def _run_plan(req: PlanRequest, out: TextIO) -> int:
     loaded, plan, secs = plan_source(source, req.mesh_text, req.strategy, user, patterns, req.links.cost, progress,
                                      grad_accum)
     strategy = req.strategy or ("megatron" if not isinstance(source, ProgramFile) else None)
+    warn_idle_dims(plan, strategy)
     first, *notes = loaded.title.split("\n")  # an HF title's warning and note lines stay below its first
     title = "\n".join([first + (f"; strategy {strategy}" if strategy else ""), *notes])
     config = loaded.model.config if loaded.model is not None else None

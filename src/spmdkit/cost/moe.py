@@ -19,8 +19,8 @@ docs/devices.md, "Mixture of experts".
   rank receives (:class:`ExpertRows`): the skew rule's hot expert and even rest or the
   histogram's counts as they are (:func:`busiest_experts`), under ``--moe-routing topk`` each
   count binomial over the tokens (a token picks a given expert with chance ``top_k / E``) and
-  its tiles expected under a normal approximation, under ``balanced`` (or a capacity factor above
-  1, or a histogram) exact. The weight gradient's K is the rows: its time, linear in K under
+  its tiles expected under a normal approximation, under ``balanced`` (or a capacity factor other
+  than 1, or a histogram) exact. The weight gradient's K is the rows: its time, linear in K under
   the model (``K / (K + K0)``), is the mean expert's.
 - Load imbalance (:func:`rank_load`): uniform routing gives every expert ``tokens x top_k / E``;
   ``--moe-skew F`` gives the busiest expert ``F`` times that and the others an even share of the
@@ -31,9 +31,10 @@ docs/devices.md, "Mixture of experts".
   n_e / ep)``; with one skewed expert ``rho = (F + (E/ep - 1) (E - F) / (E - 1)) / (E/ep)``
   (1 without ep: one rank holds every expert). Under dropless routing (capacity = the mean,
   the zoo's default) the busiest rank's expert GEMMs, activations and the all-to-alls that
-  deliver and return its tokens carry ``rho`` times the tokens; with a capacity factor above 1
-  the buffers are padded to the capacity (the GEMMs run on the padded rows, tokens past it
-  are dropped) and skew changes nothing.
+  deliver and return its tokens carry ``rho`` times the tokens; with a capacity factor other
+  than 1 every expert runs its capacity's rows (above 1 the buffers padded to it, below 1 every
+  expert full; tokens past it dropped either way: :attr:`MoeLayer.padded`) and skew changes
+  nothing.
 - Megatron-Core's alltoall dispatcher sorts the delivered rows by local expert and back
   (:func:`sorted_by_expert`): one more pass over the rows in each routing op.
 - The dispatch and combine all-to-alls (:func:`expert_all_to_all`): under ``--moe-dispatcher
@@ -91,9 +92,13 @@ class MoeLayer:
 
     @property
     def padded(self) -> bool:
-        """The capacity holds more than the mean an expert receives: a capacity factor above 1
-        pads the buffers (skew does not change the work)."""
-        return self.capacity * self.experts > math.ceil(self.tokens * self.top_k)
+        """The capacity is not the mean an expert receives, rounded up (``ceil(tokens x top_k /
+        E)``, the capacity a factor of 1 or none builds: :func:`spmdkit.models.zoo_moe.capacity`,
+        :func:`spmdkit.models.torch_import.moe.capacity_of`): a capacity factor above 1 pads every
+        expert's buffer to it, one below 1 drops the tokens past a capacity every expert fills;
+        either way each expert runs its capacity's rows and skew does not change the work. (The
+        mean's own rounding, 251 for Mixtral's 1001 x 2 / 8 = 250.25, is no padding.)"""
+        return self.capacity != -(-self.tokens * self.top_k // self.experts)
 
 
 #: _scan's answers by the program's id (the value keeps the program)
@@ -210,6 +215,11 @@ def busiest_experts(rt: Runtime, experts: int, top_k: int, ep: int) -> tuple[tup
         h = rt.moe_histogram
         if len(h) != experts:
             raise ProgramError(f"--moe-histogram: {len(h)} experts given; the model's MoE layers have {experts}")
+        hot = max(range(experts), key=lambda e: h[e])
+        if h[hot] * top_k > sum(h) * (1 + 1e-9):  # a token's top_k experts are distinct: each at most once
+            raise ProgramError(f"--moe-histogram: expert {hot} has {h[hot]:g} of the {sum(h):g} tokens routed, "
+                               f"{h[hot] * experts / sum(h):.3g} x the mean; an expert receives at most every token "
+                               f"once, {experts / top_k:g} x the mean ({experts} experts, top-{top_k})")
         if experts % ep:
             return None
         per, mean = experts // ep, sum(h) / experts
@@ -255,6 +265,29 @@ class ExpertRows:
             fs = ((1.0, local),)
         mu = mean * local / sum(f * n for f, n in fs)
         return tuple((mu * f, math.sqrt(max(0.0, mu * f * (1.0 - f * self.share))) if self.share else 0.0, n) for f, n in fs)
+
+
+def load_summary(plan: Plan) -> dict[str, Any] | None:
+    """What ``--moe-skew`` / ``--moe-histogram`` do to the plan's MoE layers, for the report:
+    the flag, the ranks the experts are split over (``ep``), the busiest rank's load over the
+    mean rank's (:func:`rank_load`; 1 where every expert runs its capacity: ``padded``) and, for
+    a histogram, that rank and its experts; None under uniform routing or without MoE layers."""
+    rt = plan.runtime
+    layers = moe_layers(plan.program)
+    if (rt.moe_skew == 1.0 and rt.moe_histogram is None) or not layers:
+        return None
+    layer = layers[0]
+    ep = ep_degree(plan, layer)
+    padded = all(la.padded for la in layers)
+    out: dict[str, Any] = {"flag": "--moe-histogram" if rt.moe_histogram is not None else f"--moe-skew {skew_label(rt.moe_skew)}",
+                           "ep": ep, "load": 1.0 if padded else rank_load(rt, layer.experts, layer.top_k, ep),
+                           "padded": padded}
+    h = rt.moe_histogram
+    if h is not None and ep > 1 and layer.experts % ep == 0:
+        per = layer.experts // ep
+        r = max(range(ep), key=lambda k: sum(h[k * per:(k + 1) * per]))
+        out.update(rank=r, experts=[r * per, (r + 1) * per - 1])
+    return out
 
 
 def busiest_load(plan: Plan) -> dict[str, float]:
@@ -630,5 +663,5 @@ def expert_all_to_all(plan: Plan, tensor: str, s: Step) -> float:
 
 
 __all__ = ["ExpertRows", "MoeLayer", "active_share", "busiest_experts", "busiest_load", "combine_rows_unkept", "ep_degree", "expert_dims", "expert_all_to_all", "expert_op_cost",
-           "expert_tensors", "gemm_streams", "grouped", "loaded", "moe_layers", "plan_loads", "plan_rows", "rank_load",
+           "expert_tensors", "gemm_streams", "grouped", "load_summary", "loaded", "moe_layers", "plan_loads", "plan_rows", "rank_load",
            "reached", "sorted_by_expert"]

@@ -27,7 +27,7 @@ from spmdkit.cost.context_torch import TorchCpCost
 from spmdkit.cost.devices import Device
 from spmdkit.cost.float8_tp import float8_gather_s
 from spmdkit.cost.memory_saved import rerun_points, saved_activations
-from spmdkit.cost.moe import moe_layers
+from spmdkit.cost.moe import load_summary, moe_layers
 from spmdkit.cost.step_comm import (
     Pending,
     StepComm,
@@ -115,6 +115,8 @@ class StepEstimate:
     slowest_gpu_s: float = 0.0
     #: --ep-comm-overlap without a pipeline: the merged steps (:func:`spmdkit.planner.ep_overlap.apply_flat_overlap`)
     ep_overlap: dict[str, Any] | None = None
+    #: --moe-skew / --moe-histogram: the busiest ep rank's load (:func:`spmdkit.cost.moe.load_summary`)
+    moe_load: dict[str, Any] | None = None
 
     @property
     def compute_total_s(self) -> float:
@@ -187,6 +189,7 @@ class StepEstimate:
                 "memory_bound_ops": self.memory_bound_ops,
                 "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered),
                 "cp": self.cp, **({"ep_comm_overlap": self.ep_overlap} if self.ep_overlap is not None else {}),
+                **({"moe_load": self.moe_load} if self.moe_load is not None else {}),
                 "error_band": band.to_json() if (band := error_band(self.device.name, self.cp > 1, self.moe)) is not None
                 else None}
 
@@ -575,6 +578,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
                            default=1.0)
     est.cp = max((c.ranks for c in cps), default=1)
     est.moe = bool(moe_layers(plan.program))
+    est.moe_load = load_summary(plan)
     blocking = sum(b for _i, _t, b, _r, _c in run.timeline) \
         + (accum - 1) * sum(b for _i, _t, b, _r, _c in prior.timeline)  # the micro-steps before the last
     tail = run.tail_s + (accum - 1) * (early.tail_s if early is not None else 0.0)

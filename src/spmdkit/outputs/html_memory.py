@@ -5,6 +5,7 @@ table of every rank."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from spmdkit.cost.memory import (
 )
 from spmdkit.cost.memory_saved import saved_activations
 from spmdkit.outputs.html_figures import PHASE_COLOURS, esc
+from spmdkit.outputs.pipeline import write_moe_memory
 from spmdkit.outputs.report import fmt_bytes
 from spmdkit.planner.pipeline_split import op_stages, stage_layers
 from spmdkit.program.plan import Plan
@@ -117,6 +119,10 @@ def memory_section(plan: Plan, mem: Memory, recompute: str, cap: int, pipe: Any)
         note = ('<p>Per pipeline rank (microbatches of activations in flight):</p><table class="small"><tr>'
                 '<th>pp rank</th><th>in flight</th><th>parameters</th><th>gradients</th><th>optimizer</th>'
                 f'<th>activations</th><th>allocated</th><th>on the device</th></tr>{rows}</table>')
+        if pipe.moe is not None:  # the text report's breakdown of the fullest rank into experts and the rest
+            buf = io.StringIO()
+            write_moe_memory(pipe.moe, buf)
+            note += f'<pre class="small">{esc(buf.getvalue())}</pre>'
     elif not curve:
         curve = memory_per_device(plan, recompute).curve
     if not curve:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from spmdkit.outputs.html_figures import BUCKET_COLOUR, COMM_COLOUR, PHASE_COLOURS, axis_svg, esc
-from spmdkit.outputs.report import fmt_bytes, fmt_time
+from spmdkit.outputs.report import context_notes, ep_overlap_note, fmt_bytes, fmt_time, moe_load_note
 from spmdkit.program.plan import Plan
 
 
@@ -131,8 +131,15 @@ def _pipeline_svg(pipe: Any) -> str:
 def step_section(plan: Plan, est: Any, assumed: str | None, pipe: Any) -> str:
     rows = "".join(f"<tr><td>{ph}</td><td>{fmt_time(est.compute_s.get(ph, 0.0))}</td>"
                    f"<td>{fmt_time(est.comm_s.get(ph, 0.0))}</td></tr>" for ph in ("forward", "backward", "optimizer"))
+    if est.recompute != "none":
+        rows += (f"<tr><td>recomputation ({esc(est.recompute)})</td><td>{fmt_time(est.compute_s.get('recompute', 0.0))}"
+                 f"</td><td>{fmt_time(est.comm_s.get('recompute', 0.0))}</td></tr>")
     rows += (f"<tr><td>gradient buckets</td><td>-</td><td>{fmt_time(est.grad_sync_s)}</td></tr>"
              f"<tr><td>collectives inside ops</td><td>-</td><td>{fmt_time(est.kernel_comm_s)}</td></tr>")
+    if est.rings:
+        rows += f"<tr><td>ring attention (KV blocks passed round cp)</td><td>-</td><td>{fmt_time(est.ring_comm_s)}</td></tr>"
+    rows += (f"<tr><td>total</td><td>{fmt_time(est.compute_total_s)}</td><td>{fmt_time(est.comm_total_s)}</td></tr>")
+    notes = "".join(f"<p>{esc(n)}</p>" for n in [moe_load_note(est.moe_load), ep_overlap_note(est), *context_notes(est)] if n)
     note = f' <b>{esc(assumed)}</b>' if assumed else ""
     when = "every one reduce-scatters its ZeRO gradients" if plan.microstep_reductions() else \
         "the gradients are reduced after the last"
@@ -143,7 +150,7 @@ def step_section(plan: Plan, est: Any, assumed: str | None, pipe: Any) -> str:
            f'{"overlapping the backward" if plan.runtime.grad_overlap else "after it (--no-grad-overlap)"} '
            f'({fmt_time(est.step_serial_s)} serial).{note}{accum} Ops narrower than a pixel are drawn together; hover '
            f'for names and times.</p>{_timeline_svg(plan, est)}<table class="small"><tr><th>phase</th>'
-           f'<th>compute</th><th>communication</th></tr>{rows}</table>')
+           f'<th>compute</th><th>communication</th></tr>{rows}</table>{notes}')
     if pipe is not None and pipe.run is not None:
         s = pipe.spec
         out += (f'<h3>Pipeline schedule</h3><p>{esc(s.schedule)}, pp={s.pp}'

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, TextIO
 
 from spmdkit.cost.memory import Memory, fit_verdict
-from spmdkit.outputs.report import fmt_bytes, fmt_time, plan_json, verdict_line, write_band
+from spmdkit.outputs.report import fmt_bytes, fmt_time, moe_load_note, plan_json, verdict_line, write_band
 from spmdkit.outputs.tables import print_table
 from spmdkit.planner.bubble import BubbleHint
 from spmdkit.planner.pipeline import PipelineEstimate
@@ -72,6 +72,8 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
     how = f"with the gradient reductions overlapping {when}" if est.grad_overlap else \
         "with the gradient reductions after the last backward (--no-grad-overlap)"
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} {how}\n")
+    if (load := moe_load_note(est.moe_load)) is not None:
+        out.write(load + "\n")
     if est.tokens:
         out.write(f"tokens/s: {est.tokens_per_s or 0:,.0f} ({est.tokens} tokens per step); MFU "
                   f"{100 * (est.mfu or 0):.1f}% ({est.tflops_per_gpu or 0:.0f} model TFLOP/s per GPU over "
@@ -83,7 +85,9 @@ def write_moe_memory(mm: MoeMemory, out: TextIO) -> None:
     """The fullest rank's memory split into its experts and the rest, with the divisors
     (:class:`spmdkit.planner.pipeline_moe.MoeMemory`)."""
     local = mm.expert_elements // max(1, mm.ep)
-    out.write(f"MoE memory of pipeline rank {mm.rank} ({mm.layers} layers, {mm.moe_layers} with {mm.experts} experts; "
+    held = f"{mm.layers} layer{'' if mm.layers == 1 else 's'}" + (
+        f" and {mm.mtp_modules} MTP module{'' if mm.mtp_modules == 1 else 's'}" if mm.mtp_modules else "")
+    out.write(f"MoE memory of pipeline rank {mm.rank} ({held}, {mm.moe_layers} of them with {mm.experts} experts; "
               f"experts over ep={mm.ep}, their states over edp = {mm.edp}, the rest data parallel over "
               f"{mm.dense_dp}):\n")
     rows = [["parameters", fmt_bytes(mm.expert_parameters), fmt_bytes(mm.dense_parameters)],

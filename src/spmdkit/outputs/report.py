@@ -363,27 +363,28 @@ def write_band(device_name: str, out: TextIO, cp: bool = False, moe: bool = Fals
         out.write(f"error band: {band.text()}\n")
 
 
-def write_rings(est: StepEstimate, out: TextIO) -> None:
+def ring_note(est: StepEstimate) -> str:
     """Context parallelism's ring attention: its transfers, how much of them the block
-    computations hide, the causal imbalance without zig-zag (spmdkit.cost.context)."""
+    computations hide (spmdkit.cost.context), one line."""
     r = est.ring_json() or {}
     fwd, bwd = r.get("forward") or {}, r.get("backward") or {}
     share = 100 * r.get("exposed_share", 0.0)
-    out.write(f"ring attention over cp={r.get('cp')}: {fmt_time(est.ring_comm_s)} of KV block transfers, "
-              f"{fmt_time(est.ring_exposed_s)} exposed ({share:.0f}%); a forward step moves "
-              f"{fmt_bytes(fwd.get('block_bytes', 0))} in {fmt_time(fwd.get('step_comm_s', 0.0))} under "
-              f"{fmt_time(fwd.get('step_compute_s', 0.0))} of block attention"
-              + (f", a backward step {fmt_bytes(bwd.get('block_bytes', 0))} in {fmt_time(bwd.get('step_comm_s', 0.0))}"
-                 f" under {fmt_time(bwd.get('step_compute_s', 0.0))}" if bwd else "") + "\n")
+    return (f"ring attention over cp={r.get('cp')}: {fmt_time(est.ring_comm_s)} of KV block transfers, "
+            f"{fmt_time(est.ring_exposed_s)} exposed ({share:.0f}%); a forward step moves "
+            f"{fmt_bytes(fwd.get('block_bytes', 0))} in {fmt_time(fwd.get('step_comm_s', 0.0))} under "
+            f"{fmt_time(fwd.get('step_compute_s', 0.0))} of block attention"
+            + (f", a backward step {fmt_bytes(bwd.get('block_bytes', 0))} in {fmt_time(bwd.get('step_comm_s', 0.0))}"
+               f" under {fmt_time(bwd.get('step_compute_s', 0.0))}" if bwd else ""))
 
 
-def write_torch_cp(est: StepEstimate, out: TextIO) -> None:
+def torch_cp_note(est: StepEstimate) -> str | None:
     """torch's context_parallel's allgather attention (``--framework torchtitan``): the K / V
-    all-gather with the query heads, the backward's dK / dV ring (spmdkit.cost.context_torch)."""
+    all-gather with the query heads, the backward's dK / dV ring (spmdkit.cost.context_torch);
+    None where the plan has none."""
     fwd, bwd = est.torch_cp_op("forward"), est.torch_cp_op("backward")
     first = fwd or bwd
     if first is None:
-        return
+        return None
     text = (f"torch context_parallel over cp={first.cp}: K and V after repeat_kv (x{first.rep}) all-gathered, "
             f"{fmt_bytes(first.gather_bytes)} in {fmt_time(first.gather_s)} under a {fmt_time(first.step_s)} "
             f"local block, {fmt_time(fwd.exposed_s if fwd else 0.0)} exposed a forward op")
@@ -391,7 +392,52 @@ def write_torch_cp(est: StepEstimate, out: TextIO) -> None:
         text += (f"; the backward's fp32 dK / dV ring: {bwd.cp} sends of {fmt_bytes(bwd.dkv_bytes)} in "
                  f"{fmt_time(bwd.dkv_s)} each under {fmt_time(bwd.step_s)} steps, {fmt_time(bwd.exposed_s)} "
                  f"exposed a backward op")
-    out.write(text + "\n")
+    return text
+
+
+def context_notes(est: StepEstimate) -> list[str]:
+    """The lines on the step's context parallelism, as the report prints them below the step
+    (and the HTML page beside its step table): the ring (:func:`ring_note`), torch's
+    context_parallel (:func:`torch_cp_note`), the causal imbalance without zig-zag."""
+    notes = [ring_note(est)] if est.rings else []
+    if est.torch_cp and (t := torch_cp_note(est)) is not None:
+        notes.append(t)
+    if est.cp_imbalance > 1.0:
+        notes.append(f"causal imbalance: without the zig-zag balance the last cp rank computes {est.cp_imbalance:.2f} x "
+                     f"the mean attention (every rank waits for it); the zig-zag balance evens it")
+    return notes
+
+
+def moe_load_note(ml: dict[str, Any] | None) -> str | None:
+    """``--moe-skew`` / ``--moe-histogram``: the busiest ep rank's tokens over the mean rank's,
+    which the step waits for (``ml``: spmdkit.cost.moe.load_summary, a step's or a pipeline's
+    ``moe_load``), one line; None under uniform routing."""
+    if ml is None:
+        return None
+    head = f"expert load ({ml['flag']}): "
+    if ml["padded"]:
+        return head + ("changes nothing: every expert runs its capacity's rows (the model's capacity factor is not 1: "
+                       "padded above it, full below it, the tokens past it dropped)")
+    if ml["ep"] <= 1:
+        return head + ("one rank holds every expert, so its tokens are the mean; its grouped GEMM runs the experts' "
+                       "rows as they are (in the step time above)")
+    which = f", rank {ml['rank']} (experts {ml['experts'][0]}-{ml['experts'][1]})" if "rank" in ml else ""
+    return head + (f"the busiest of the {ml['ep']} ranks the experts are split over{which} receives "
+                   f"{ml['load']:.3f} x the mean rank's tokens; its expert GEMMs, activations and all-to-alls carry "
+                   f"them in the step time above and the memory (the reshard tables print the uniform bytes)")
+
+
+def ep_overlap_note(est: StepEstimate) -> str | None:
+    """``--ep-comm-overlap`` without a pipeline: the merged steps and what they hide, one line;
+    None without it."""
+    if est.ep_overlap is None:
+        return None
+    eo = est.ep_overlap
+    m = eo["microbatches"]
+    return (f"ep all-to-all overlap (--ep-comm-overlap, no pipeline): {m} microbatches as Megatron-Core's "
+            f"combined_1f1b_schedule_for_no_pipelining runs them ({eo['merged_steps']} merged forward-and-backward "
+            f"steps, the first forward and the last backward alone) hide {fmt_time(eo['hidden_s'])} of the "
+            f"{fmt_time(m * eo['a2a_s'])} of expert all-to-alls (in the step time above)")
 
 
 def _hbm_measured(d: Any) -> str:
@@ -446,26 +492,17 @@ def write_estimate(est: StepEstimate, out: TextIO, grad_overlap: bool = True) ->
         "with the framework's overlaps, the gradient reductions after the last backward (--no-grad-overlap)"
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} {how} "
               f"({fmt_time(exposed)} of communication exposed)\n")
-    if est.ep_overlap is not None:
-        eo = est.ep_overlap
-        m = eo["microbatches"]
-        out.write(f"ep all-to-all overlap (--ep-comm-overlap, no pipeline): {m} microbatches as Megatron-Core's "
-                  f"combined_1f1b_schedule_for_no_pipelining runs them ({eo['merged_steps']} merged forward-and-backward "
-                  f"steps, the first forward and the last backward alone) hide {fmt_time(eo['hidden_s'])} of the "
-                  f"{fmt_time(m * eo['a2a_s'])} of expert all-to-alls (in the step time above)\n")
+    for line in (moe_load_note(est.moe_load), ep_overlap_note(est)):
+        if line is not None:
+            out.write(line + "\n")
     if d.slowdown > 1.0:
         share = est.slowest_gpu_s / est.step_overlap_s if est.step_overlap_s > 0 else 0.0
         out.write(f"slowest GPU: the step waits for the slowest of its {d.gpus} GPUs, expected "
                   f"{expected_max_normal(d.gpus):.2f} standard deviations ({100 * d.rates.speed_sd:.2f}% each, "
                   f"efficiency.speed_sd) slower than the median one: its tensor-core kernels {d.slowdown:.4f} x as "
                   f"long, {fmt_time(est.slowest_gpu_s)} of the compute ({100 * share:.1f}% of the step)\n")
-    if est.rings:
-        write_rings(est, out)
-    if est.torch_cp:
-        write_torch_cp(est, out)
-    if est.cp_imbalance > 1.0:
-        out.write(f"causal imbalance: without the zig-zag balance the last cp rank computes {est.cp_imbalance:.2f} x "
-                  f"the mean attention (every rank waits for it); the zig-zag balance evens it\n")
+    for note in context_notes(est):
+        out.write(note + "\n")
     out.write(f"FLOPs per device: {fmt_flops(est.flops_per_device)} executed "
               f"({fmt_time(est.matmul_s)} on the tensor cores); memory traffic {fmt_bytes(est.bytes_per_device)}\n")
     if est.tokens:
@@ -501,6 +538,6 @@ def explain_table(rows: Sequence[LayerChoice]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["write_band", "RESHARD_OPTIONAL", "explain_table", "fmt_bytes", "fmt_flops", "fmt_time", "placements", "plan_json", "reshard_groups",
+__all__ = ["write_band", "RESHARD_OPTIONAL", "context_notes", "ep_overlap_note", "moe_load_note", "explain_table", "fmt_bytes", "fmt_flops", "fmt_time", "placements", "plan_json", "reshard_groups",
            "step_kinds", "write_estimate",
            "write_report"]

@@ -70,7 +70,7 @@ from spmdkit.cost.memory import (
     recompute_layers,
     with_overheads,
 )
-from spmdkit.cost.moe import a2a_compute_share
+from spmdkit.cost.moe import a2a_compute_share, load_summary
 from spmdkit.cost.step import OpComm, op_communication
 from spmdkit.planner.chunk_plan import ChunkOps
 from spmdkit.planner.ep_overlap import check_ep_comm_overlap
@@ -137,6 +137,8 @@ class PipelineEstimate:
     moe: MoeMemory | None = None
     #: the context-parallel degree of the stages' plan (its error band is the cp runs')
     cp: int = 1
+    #: --moe-skew / --moe-histogram: the busiest ep rank's load (:func:`spmdkit.cost.moe.load_summary`)
+    moe_load: dict[str, Any] | None = None
     #: per device: the all-reduce of the tied parameters' gradients among the stages holding a copy
     #: (:func:`spmdkit.planner.stage_costs.shared_parameters`), after its gradient reductions
     tied_s: list[float] = field(default_factory=list)
@@ -184,6 +186,8 @@ class PipelineEstimate:
                          "tied_grad_sync_s": self.tied_s[r] if self.tied_s else 0.0,
                          "weight_pending_microbatches": weight_pending(s.schedule, s.pp, s.microbatches, r),
                          "memory": self.memory[r].to_json()} for r in range(s.pp)]}
+        if self.moe_load is not None:
+            out["moe_load"] = self.moe_load
         if "stages_auto" in self.extra:
             out["stages_auto"] = self.extra["stages_auto"]
         if self.moe is not None:
@@ -286,7 +290,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
                     break
     est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems, note=note, tied_s=tied_s,
                            moe=moe_memory(plan, stages, counts, p, mems, flight, costs) if stages else None,
-                           cp=max((c.ranks for c in cp_ops(plan)), default=1))
+                           cp=max((c.ranks for c in cp_ops(plan)), default=1), moe_load=load_summary(plan))
     if recompute == MICROBATCH:
         est.extra["microbatch_recompute"] = {"recomputed_share": recomputed}
     if device is None:

@@ -49,6 +49,7 @@ class MoeMemory:
     working_peak: int           # one microbatch's working peak through the rank's stages
     stash: int                  # what each other microbatch in flight keeps for its backward
     activations: int            # the rank's activation peak (working peak + the others' stash)
+    mtp_modules: int = 0        # multi-token-prediction modules on the rank (not among ``layers``)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -86,10 +87,13 @@ def moe_memory(plan: Plan, stages: Sequence[int], counts: Sequence[int], p: int,
     ep, edp, dense = _divisors(plan, stacks)
     moe_ops = {i for i, op in enumerate(prog.ops) if op.rule == "moe_gate_dispatch" and op.phase == "forward"}
     n_moe = sum(1 for i in moe_ops if stages[i] % p == r)
+    mtp = {op.layer for i, op in enumerate(prog.ops)  # zoo_mtp labels its modules' ops mtp[k]
+           if op.phase == "forward" and op.layer.startswith("mtp[") and stages[i] % p == r}
     stash = sum(costs[s].stash_bytes for s in mine)
     work = max(costs[s].working_peak for s in mine)
     return MoeMemory(r, sum(counts[s] for s in mine), n_moe, layers[0].experts, ep, edp, dense, elements,
-                     ex[0], ex[1], ex[2], de[0], de[1], de[2], in_flight[r], work, stash, mems[r].activation_peak)
+                     ex[0], ex[1], ex[2], de[0], de[1], de[2], in_flight[r], work, stash, mems[r].activation_peak,
+                     len(mtp))
 
 
 def _divisors(plan: Plan, stacks: set[str]) -> tuple[int, int, int]:

@@ -237,6 +237,10 @@ class Runtime:
             _check_histogram(self.moe_histogram)
         if self.moe_histogram is not None and self.moe_skew != 1.0:
             raise ProgramError("--moe-skew and --moe-histogram: give one, not both")
+        if self.moe_routing == "balanced" and (self.moe_histogram is not None or self.moe_skew != 1.0):
+            flag = "--moe-histogram" if self.moe_histogram is not None else f"--moe-skew {skew_label(self.moe_skew)}"
+            raise ProgramError(f"{flag} with --moe-routing balanced: balanced routing gives every expert the same "
+                               f"tokens (fake_balanced_gate), so no expert is busier; give one, not both")
         for flag, off, what in (("--no-async-tp-allreduce", not self.tp_allreduce_overlap,
                                  "the tp all-reduce of Megatron-LM before 2021-09, blocking the backward"),
                                 ("--no-wgrad-fusion", not self.wgrad_fusion,
@@ -429,7 +433,7 @@ def parse_moe_histogram(text: str | None) -> tuple[float, ...] | None:
     if text is None:
         return None
     t = text.strip()
-    if t.startswith("["):
+    if t.startswith(("[", "{")):  # JSON inline (an object is named as not a list, not looked for as a file)
         try:
             obj = json.loads(t)
         except (json.JSONDecodeError, RecursionError, ValueError):

@@ -76,8 +76,15 @@ def config_for(cfg: ModelConfig, mesh: ProcessMesh, strategy: Iterable[str]) -> 
     if "cp" not in st:
         return cfg
     variant, balance = options(st)
-    n = math.prod(mesh.shape[d] for d in seq_dims(mesh, st))
-    return cfg.with_(cp=n, cp_attention=variant, cp_balance=balance, moe_chunks=moe_chunks(cfg, n))
+    dims = seq_dims(mesh, st)
+    n = math.prod(mesh.shape[d] for d in dims)
+    built = cfg.with_(cp=n, cp_attention=variant, cp_balance=balance, moe_chunks=moe_chunks(cfg, n))
+    if len(dims) > 1:  # ep-from=cp: the config's checks name cp = cp x ep; say the cp and ep the user gave
+        try:
+            built.check()
+        except ProgramError as e:
+            raise ProgramError(str(e).replace(f"--mesh cp={n}", f"--mesh {_seq_mesh(mesh, dims)}", 1)) from None
+    return built
 
 
 def seq_dims(mesh: ProcessMesh, strategy: Iterable[str]) -> tuple[int, ...]:

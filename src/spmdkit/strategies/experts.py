@@ -255,20 +255,22 @@ def expert_entry(ep: int, fold: int | None = None, chunked: bool = False) -> Ent
     return ep if fold is None else (ep, fold) if chunked else (fold, ep)
 
 
-def parse_etp(item: str) -> str | None:
-    """``etp=1`` -> ``"etp=1"``; ``etp=tp`` -> ``""`` (the default: each expert tensor-parallel
-    over tp, nothing to add); None where ``item`` is no etp item; ProgramError naming the item
-    for another value."""
+def parse_etp(item: str, tp: int | None = None) -> str | None:
+    """``etp=1`` -> ``"etp=1"``; ``etp=tp``, or the tp dim's size ``tp`` as a number (Megatron's
+    ``--expert-tensor-parallel-size`` equal to ``--tensor-model-parallel-size``) -> ``""`` (the
+    default: each expert tensor-parallel over tp, nothing to add); None where ``item`` is no etp
+    item; ProgramError naming the item for another value."""
     key, eq, value = item.partition("=")
     if not eq or key.strip() != "etp":
         return None
     value = value.strip()
     if value == "1":
         return "etp=1"
-    if value == "tp":
+    if value == "tp" or (tp is not None and value == str(tp)):
         return ""
+    size = f"tp (the tp dim's size, {tp}: " if tp is not None else "tp ("
     raise ProgramError(f"--strategy etp={value}: expert tensor parallel is 1 (each expert whole, experts over ep x "
-                       f"tp) or tp (each expert split over tp: the default)")
+                       f"tp) or {size}each expert split over tp: the default)")
 
 
 def chunk_means(prog: Any, lay: MoeLayer) -> list[str]:

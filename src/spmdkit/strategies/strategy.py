@@ -147,7 +147,7 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
         if s == "none":
             continue
         opt = parse_cp_option(s)
-        etp = parse_etp(s)
+        etp = parse_etp(s, mesh.shape[mesh.dim_index('tp')] if 'tp' in mesh.dim_names else None)
         if etp is None:
             etp = parse_ep_from(s)
         if etp is not None:
@@ -170,6 +170,11 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
         out.insert(0, "dp")  # (with ep / cp and no dp dim: ZeRO over the ep / cp ranks)
     check_cp_options([s for s in out if s not in ("etp=1", "ep-from=cp")], mesh)
     check_etp(out, mesh)
+    opts = [s for s in out if s.startswith(("cp-attention=", "cp-balance="))]
+    if opts and "cp" in mesh.dim_names and all(mesh.shape[d] == 1 for d in seq_dims(mesh, out)):
+        k, _, v = opts[0].partition("=")  # (accepted before and changed nothing: no sequence is split)
+        raise ProgramError(f"--{k} {v}: --mesh cp=1 splits no sequence, so no attention is split for it to run; give a cp dim "
+                           f"of 2 or more")
     for s in out:
         if s == "cp" or "=" in s:
             continue
