@@ -264,6 +264,9 @@ def test_cli_devices_writes_the_best_plans_page_and_export(tmp_path: Any) -> Non
 @pytest.mark.parametrize(("args", "msg"), [
     (("--mesh", "dp=2"), "--devices: give either --mesh or --devices"),
     (("--microbatches", "2"), "--microbatches: does not apply with --devices"),
+    # the search tries the interleaved schedule too (search_space.VIRTUAL); the message said '1F1B' alone
+    (("--schedule", "interleaved"), "--schedule: does not apply with --devices (the search chooses the pipeline: "
+                                    "1F1B or interleaved 1F1B over 2 / 4 / 8 model chunks a rank"),
     (("--devices", "0"), "--devices 0: out of range"),
     (("--devices", "x"), "--devices 'x': expected an integer"),
     (("--recompute", "most"), "--recompute"),

@@ -37,7 +37,7 @@ from spmdkit.planner.pipeline_plan import pp_cost_text
 from spmdkit.planner.planning import MAX_SIZE, parse_cost, parse_size
 from spmdkit.planner.search import SearchResult, search_meshes
 from spmdkit.planner.search_config import Candidate
-from spmdkit.planner.search_space import LONG_SEQ, CpTrace
+from spmdkit.planner.search_space import LONG_SEQ, VIRTUAL, CpTrace
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.strategies.experts import moe_layers
@@ -251,9 +251,10 @@ def _check_flags(req: PlanRequest) -> None:
     if req.outputs.recipe is not None:
         check_recipe_target(*req.outputs.recipe)
     for flag in [*req.pipeline.given(), *(["--grad-accum"] if req.grad_accum is not None else [])][:1]:
-        raise ProgramError(f"{flag}: does not apply with --devices (the search chooses the pipeline: 1F1B, "
-                           "one sequence per dp rank per microbatch; give --global-batch and --micro-batch for "
-                           "gradient accumulation)")
+        raise ProgramError(f"{flag}: does not apply with --devices (the search chooses the pipeline: 1F1B or "
+                           f"interleaved 1F1B over {' / '.join(map(str, VIRTUAL))} model chunks a rank, one sequence "
+                           "per dp rank per microbatch; give --global-batch and --micro-batch for gradient "
+                           "accumulation)")
     if req.search.explain:  # (it was accepted with --auto and explained nothing)
         raise ProgramError("--explain: applies to the --auto search of a --mesh (its layers' choices and runner-ups); "
                            "the --devices search does not explain its meshes' solves: plan the best mesh with --mesh "
