@@ -106,7 +106,15 @@ def test_the_report_names_the_hidden_seconds(capsys: pytest.CaptureFixture[str])
     assert main([*MOE, "--grad-accum", "2", "--ep-comm-overlap"]) == 0
     out = capsys.readouterr().out
     assert "ep all-to-all overlap (--ep-comm-overlap, no pipeline): 2 microbatches as Megatron-Core's " \
-        "combined_1f1b_schedule_for_no_pipelining runs them (1 merged forward-and-backward steps" in out
+        "combined_1f1b_schedule_for_no_pipelining runs them (1 merged forward-and-backward step, the first forward " \
+        "and the last backward alone; a lone backward hides its dispatch's all-to-all under its weight gradients) " \
+        "hide" in out
+    # one microbatch: no merged step, yet a hidden share (the lone backward's): the line said only '0 merged
+    # forward-and-backward steps, the first forward and the last backward alone) hide 571.5 us', with no source
+    assert main([*MOE, "--ep-comm-overlap"]) == 0
+    assert "1 microbatch as Megatron-Core's combined_1f1b_schedule_for_no_pipelining runs them (0 merged " \
+        "forward-and-backward steps, the first forward and the last backward alone; a lone backward hides its " \
+        "dispatch's all-to-all under its weight gradients) hide" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -354,7 +354,9 @@ def test_a_mesh_dim_the_strategy_leaves_idle_is_warned_of(capsys: pytest.Capture
                                 "ranks repeat the same work (give a --strategy that uses ep, or drop it from --mesh)"]
     rc, _, err = plan(capsys, *TINY, "--mesh", "dp=2,cp=2", "--strategy", "dp")
     assert rc == 0 and "--mesh cp=2: --strategy dp shards nothing over cp" in err
+    rc, _, err = plan(capsys, *moe, "--mesh", "pp=2,dp=2,ep=2", "--strategy", "dp", "--batch", "8")  # a pipeline's stages
+    assert rc == 0 and "--mesh ep=2: --strategy dp shards nothing over ep" in err
     for argv in ([*moe, "--mesh", "dp=2,ep=2", "--strategy", "dp,ep"], [*TINY, "--mesh", "dp=2,tp=2"],
-                 [*TINY, "--mesh", "dp=1,tp=2"]):
+                 [*TINY, "--mesh", "dp=1,tp=2"], [*TINY, "--mesh", "pp=2,dp=2,tp=2", "--batch", "4"]):
         rc, _, err = plan(capsys, *argv)
         assert rc == 0 and "shards nothing" not in err, (argv, err)

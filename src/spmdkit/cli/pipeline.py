@@ -21,6 +21,7 @@ from spmdkit.cli.common import (
     mesh_dp,
     require_simulator,
     step_estimate,
+    warn_idle_dims,
     write_html,
 )
 from spmdkit.cli.request import Links, PlanRequest
@@ -86,6 +87,8 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
                             recompute=recompute)
     worst = max(range(spec.pp), key=lambda r: est.memory[r].device_total)
     strategy = req.strategy or ("megatron" if not isinstance(source, ProgramFile) and not got.auto else None)
+    if not got.auto:
+        warn_idle_dims(got.plan, strategy)  # the stages' sub-mesh (pp itself is the pipeline)
     title = (_title(got, source, spec) + (f"; strategy {strategy}" if strategy and not got.auto else "")
              + (f"; --auto{auto_title(got.auto)}" if got.auto else "") + f"; pipeline pp={spec.pp}"
              + (f"; recompute {req.recompute}" if req.recompute not in (None, "none") else ""))

@@ -434,10 +434,12 @@ def ep_overlap_note(est: StepEstimate) -> str | None:
         return None
     eo = est.ep_overlap
     m = eo["microbatches"]
-    return (f"ep all-to-all overlap (--ep-comm-overlap, no pipeline): {m} microbatches as Megatron-Core's "
-            f"combined_1f1b_schedule_for_no_pipelining runs them ({eo['merged_steps']} merged forward-and-backward "
-            f"steps, the first forward and the last backward alone) hide {fmt_time(eo['hidden_s'])} of the "
-            f"{fmt_time(m * eo['a2a_s'])} of expert all-to-alls (in the step time above)")
+    return (f"ep all-to-all overlap (--ep-comm-overlap, no pipeline): {m} microbatch{'' if m == 1 else 'es'} as "
+            f"Megatron-Core's combined_1f1b_schedule_for_no_pipelining runs them ({eo['merged_steps']} merged "
+            f"forward-and-backward step{'' if eo['merged_steps'] == 1 else 's'}, the first forward and the last "
+            f"backward alone; a lone backward hides its dispatch's all-to-all under its weight gradients) hide "
+            f"{fmt_time(eo['hidden_s'])} of the {fmt_time(m * eo['a2a_s'])} of expert all-to-alls (in the step time "
+            f"above)")
 
 
 def _hbm_measured(d: Any) -> str:
