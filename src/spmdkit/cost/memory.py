@@ -46,7 +46,7 @@ from spmdkit.cost.checkpoints import (
     recompute_layers,
     whole_layers,
 )
-from spmdkit.cost.compute import gathered_itemsize
+from spmdkit.cost.compute import fp8_layers, gathered_itemsize
 from spmdkit.cost.context import regathers, ring_buffers
 from spmdkit.cost.context_torch import torch_cp_ops
 from spmdkit.cost.loss import FLASH_CE_BYTES, fused_loss
@@ -195,6 +195,10 @@ def held_for_the_step(plan: Plan) -> dict[str, tuple[int, int, int]]:
             if op.phase == "forward" and op.rule == "matmul" and isinstance(y, str) \
                     and prog.tensors[y].kind == "parameter" and len(prog.tensors[y].shape) == 2:
                 linear.add(y)
+        # not the output head: Megatron-Core's output_layer is tensor_parallel.ColumnParallelLinear (not a
+        # Transformer Engine module: megatron.core.models.gpt.gpt_model at d98e8a64dd, unless mxfp8), so it keeps
+        # no fp8 copy and runs in bf16, as compute prices it
+        linear &= fp8_layers(prog).weights
     out: dict[str, tuple[int, int, int]] = {}
     for op in prog.ops:
         if op.phase != "optimizer":
