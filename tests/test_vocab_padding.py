@@ -18,7 +18,7 @@ from spmdkit.core.errors import ProgramError
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from spmdkit.models.hf import build, import_hf  # noqa: E402
+from spmdkit.models.hf import build, import_hf
 
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 250, "n_positions": 64}
@@ -166,3 +166,17 @@ def test_no_vocab_size_to_pad() -> None:
                                            r"config has no vocab_size to pad$"):
         pad_vocab_config("ViTForImageClassification", {"num_hidden_layers": 1, "hidden_size": 32,
                                                        "num_attention_heads": 2, "intermediate_size": 64}, 128, 2)
+
+
+@pytest.mark.parametrize("extra", [("--mesh", "pp=2,tp=2", "--microbatches", "2"), ("--mesh", "dp=2,tp=2", "--auto")])
+def test_pipeline_and_auto_pad_too(extra: tuple[str, ...]) -> None:
+    """A pipeline (the tp of its stages' sub-mesh) and --auto pad as the flat plan does, the note on
+    the report's second line."""
+    rc, out = cli_stdout("plan", "--model-config", '{"base": "tiny-gpt2", "vocab": 250}', *extra,
+                         "--make-vocab-size-divisible-by", "8")
+    assert rc == 0
+    first, second = out.split("\n")[:2]
+    assert (", vocab 256, " in first) == ("--auto" not in extra)  # (--auto's title names no vocabulary)
+    assert second == ("note: vocabulary 250 padded to 256 (Megatron --make-vocab-size-divisible-by 8 x tp 2): 6 more "
+                      "rows in the embedding and the output layer, their logits in the softmax, never a token or a "
+                      "target")

@@ -115,7 +115,8 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     else:
         if est.note:
             out.write(est.note + "\n")
-        write_report(plan, out, title + " (the plan of one microbatch on the stages' sub-mesh)",
+        first, sep, notes = title.partition("\n")  # (said of the first line, above an HF title's notes)
+        write_report(plan, out, first + " (the plan of one microbatch on the stages' sub-mesh)" + sep + notes,
                      est.memory[worst], got.seconds)
         write_pipeline(est, out)
         if hint is not None:
