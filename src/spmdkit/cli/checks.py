@@ -106,7 +106,8 @@ def hf_source(m: ModelArgs, layers: int | None, batch: int | None, seq: int | No
         if v is not None:
             raise ProgramError(f"{f}: does not apply to --hf (set num_hidden_layers in --hf-config)")
     dtype = dtype_name("float32" if m.dtype is None else m.dtype)
-    return HFModel(m.hf, m.hf_config, dtype, batch or 2, seq or 16, fallback=m.fallback or "error")
+    return HFModel(m.hf, m.hf_config, dtype, batch or 2, seq or 16, fallback=m.fallback or "error",
+                   vocab_divisible_by=m.vocab_divisible_by)
 
 
 def program_source(m: ModelArgs, layers: int | None, batch: int | None, seq: int | None) -> ProgramFile:
@@ -115,6 +116,10 @@ def program_source(m: ModelArgs, layers: int | None, batch: int | None, seq: int
     given = [f for f, v in (("--layers", layers), ("--batch", batch), ("--seq", seq)) if v is not None]
     if given:
         raise ProgramError(f"{given[0]}: overrides a preset's size; it does not apply to --program")
+    if m.vocab_divisible_by is not None:
+        raise ProgramError(f"--make-vocab-size-divisible-by {m.vocab_divisible_by}: pads an --hf model's, a preset's or "
+                           f"a --model-config's vocabulary; a --program file's shapes are its own (give its vocabulary "
+                           f"axis padded in the file)")
     return ProgramFile(m.program)
 
 

@@ -24,7 +24,7 @@ from spmdkit.cost.memory import Memory, recompute_every, recompute_layers
 from spmdkit.cost.memory_saved import recompute_regions
 from spmdkit.cost.step import StepEstimate, estimate_step
 from spmdkit.models import catalog
-from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, load
+from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, load, pad_vocab, padding_note
 from spmdkit.models.zoo import ModelConfig, preset
 from spmdkit.outputs.export import export_plan
 from spmdkit.outputs.export_torch import export_torch
@@ -64,6 +64,13 @@ def mesh_dp(mesh_text: str, strategy_text: str | None = None) -> int:
     return sizes.get("dp", 1) * (1 if from_cp else sizes.get("ep", 1))
 
 
+def mesh_tp(mesh_text: str) -> int:
+    """The tensor-parallel ranks of the mesh: its ``tp`` dim (1 without one), what Megatron-LM pads
+    the vocabulary by (``--make-vocab-size-divisible-by`` x tp)."""
+    mesh = parse_mesh(mesh_text)
+    return dict(zip(mesh.dim_names, mesh.shape)).get("tp", 1)
+
+
 def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, user: dict[str, Any],
                 patterns: dict[str, str] | None = None, cost_text: str | None = None,
                 progress: Any = None, grad_accum: int = 1) -> tuple[Loaded, Plan, float]:
@@ -71,9 +78,14 @@ def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, 
     megatron for a preset or a HuggingFace model, none for a program file: its annotations
     alone); ``progress``: a preset's propagation callback; ``grad_accum``: micro-steps per
     optimizer step (``--grad-accum``), part of the plan."""
+    source = pad_vocab(source, mesh_tp(mesh_text))  # --make-vocab-size-divisible-by: as Megatron pads it
     if isinstance(source, Preset):
-        return plan_preset(source.name, mesh_text, strategy_text or "megatron", source.overrides(), user, cost_text,
-                           progress, grad_accum)
+        loaded, plan, secs = plan_preset(source.name, mesh_text, strategy_text or "megatron", source.overrides(),
+                                         user, cost_text, progress, grad_accum)
+        note = padding_note(source)  # the report's line saying the vocabulary was padded
+        if note:
+            loaded = replace(loaded, title=f"{loaded.title}\n{note}")
+        return loaded, plan, secs
     t0 = time.perf_counter()
     if isinstance(source, HFModel):
         strategy_text = strategy_text or "megatron"
@@ -266,4 +278,4 @@ def auto_json(info: AutoInfo, cap: int | None) -> dict[str, Any]:
             "explain": [e.to_json() for e in info.explain]}
 
 
-__all__ = ["auto_items", "auto_json", "auto_time_limit", "block_recompute", "catalog_batch", "check_moe_flags", "export_plan_file", "idle_dims", "mesh_dp", "plan_source", "warn_idle_dims", "step_estimate", "strategy_notes", "write_html"]
+__all__ = ["auto_items", "auto_json", "auto_time_limit", "block_recompute", "catalog_batch", "check_moe_flags", "export_plan_file", "idle_dims", "mesh_dp", "mesh_tp", "plan_source", "warn_idle_dims", "step_estimate", "strategy_notes", "write_html"]

@@ -248,6 +248,11 @@ def _check_flags(req: PlanRequest) -> None:
     whose entry times the pipeline's sends)."""
     if req.mesh is not None:
         raise ProgramError("--devices: give either --mesh or --devices (the search chooses the mesh)")
+    if req.model.vocab_divisible_by is not None:  # Megatron pads by N x tp: a vocabulary for each tp searched
+        raise ProgramError(f"--make-vocab-size-divisible-by {req.model.vocab_divisible_by}: pads the vocabulary by N x "
+                           f"tp of one mesh (--mesh); the --devices search tries several tp, each its own padded "
+                           f"model, which it does not build: give the padded vocabulary in the config, or plan "
+                           f"each --mesh")
     if req.outputs.recipe is not None:
         check_recipe_target(*req.outputs.recipe)
     for flag in [*req.pipeline.given(), *(["--grad-accum"] if req.grad_accum is not None else [])][:1]:

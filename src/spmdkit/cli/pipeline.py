@@ -19,6 +19,7 @@ from spmdkit.cli.common import (
     catalog_batch,
     export_plan_file,
     mesh_dp,
+    mesh_tp,
     require_simulator,
     step_estimate,
     warn_idle_dims,
@@ -30,7 +31,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.devices import Device, cost_model, load_device
 from spmdkit.cost.memory import check_recompute, per_microbatch_mode
-from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile
+from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile, pad_vocab, padding_note
 from spmdkit.models.zoo import model_label
 from spmdkit.outputs.pipeline import bubble_line, pipeline_plan_json, write_pipeline
 from spmdkit.outputs.report import explain_table, write_report
@@ -94,6 +95,8 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
              + (f"; recompute {req.recompute}" if req.recompute not in (None, "none") else ""))
     if isinstance(source, HFModel):  # the import's warning and note lines, below the first
         title = "\n".join([title, *got.loaded.title.split("\n")[1:]])
+    padded = padding_note(source) if isinstance(source, Preset) else None  # (an HF title has its own)
+    title += f"\n{padded}" if padded else ""
     config = got.loaded.model.config if got.loaded.model is not None else None
     if req.outputs.export:  # --export torch (cli/plan.py refuses the others); before the page: a refused
         # export leaves none behind
@@ -121,7 +124,8 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     else:
         if est.note:
             out.write(est.note + "\n")
-        write_report(plan, out, title + " (the plan of one microbatch on the stages' sub-mesh)",
+        first, sep, notes = title.partition("\n")  # (said of the first line, above an HF title's notes)
+        write_report(plan, out, first + " (the plan of one microbatch on the stages' sub-mesh)" + sep + notes,
                      est.memory[worst], got.seconds)
         write_pipeline(est, out)
         if hint is not None:
@@ -161,14 +165,15 @@ def _source(req: PlanRequest, microbatches: int) -> ModelSource:
     layers = parse_size("--layers", req.layers, MAX_LAYERS)
     batch = parse_size("--batch", req.batch, MAX_SIZE)
     seq = parse_size("--seq", req.seq, MAX_SIZE)
+    tp = mesh_tp(req.mesh_text)  # --make-vocab-size-divisible-by: the vocabulary padded by N x tp (Megatron's)
     if m.hf is not None:
         src = hf_source(m, layers, batch, seq)
-        return src if batch else replace(src, batch=src.batch * microbatches)
+        return pad_vocab(src if batch else replace(src, batch=src.batch * microbatches), tp)
     if m.program:
         return program_source(m, layers, batch, seq)
     if batch is None and (one := catalog_batch(m.model, mesh_dp(req.mesh_text, req.strategy), None)) is not None:
         batch = one * microbatches  # a catalog model without --batch: each microbatch one sequence a dp rank
-    return Preset(m.model, layers, batch, seq)
+    return pad_vocab(Preset(m.model, layers, batch, seq, vocab_divisible_by=m.vocab_divisible_by), tp)
 
 
 def _title(got: PipelinePlan, source: ModelSource, spec: PipelineSpec) -> str:

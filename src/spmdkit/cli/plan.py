@@ -23,6 +23,7 @@ from spmdkit.cli.common import (
     catalog_batch,
     export_plan_file,
     mesh_dp,
+    mesh_tp,
     plan_source,
     require_simulator,
     step_estimate,
@@ -39,7 +40,7 @@ from spmdkit.core.reshard import CostModel
 from spmdkit.cost.devices import Device, cost_model, load_device
 from spmdkit.cost.memory import check_recompute, memory_per_device
 from spmdkit.engine.memo import gc_paused
-from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile, load, load_preset
+from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile, load, load_preset, pad_vocab, padding_note
 from spmdkit.models.zoo import model_label
 from spmdkit.outputs.export import check_target
 from spmdkit.outputs.html import check_html_path
@@ -164,7 +165,7 @@ def _strategy_source(req: PlanRequest, layers: int | None, batch: int | None,
         if req.verify:
             raise ProgramError("--verify: simulates a preset model; it does not apply to --program")
         return source, patterns
-    return Preset(m.model, layers, batch, seq), patterns
+    return Preset(m.model, layers, batch, seq, vocab_divisible_by=m.vocab_divisible_by), patterns
 
 
 # -- under a strategy ------------------------------------------------------------------------------
@@ -179,7 +180,8 @@ def _run_plan(req: PlanRequest, out: TextIO) -> int:
     grad_accum = parse_size("--grad-accum", req.grad_accum, 1 << 20) or 1
     batch = catalog_batch(req.model.model, mesh_dp(req.mesh_text, req.strategy), batch)
     if req.search.auto:
-        return _run_auto(req, out, recompute, user, Preset(req.model.model, layers, batch, seq), grad_accum)
+        sizes = Preset(req.model.model, layers, batch, seq, vocab_divisible_by=req.model.vocab_divisible_by)
+        return _run_auto(req, out, recompute, user, sizes, grad_accum)
     source, patterns = _strategy_source(req, layers, batch, seq)
     progress = _progress() if isinstance(source, Preset) else None
     loaded, plan, secs = plan_source(source, req.mesh_text, req.strategy, user, patterns, req.links.cost, progress,
@@ -242,11 +244,12 @@ def _progress() -> Any:
 def _auto_source(req: PlanRequest, sizes: Preset) -> ModelSource:
     """The model ``--auto`` searches: a preset, ``--program`` or ``--hf`` (no ``--tp-plan``)."""
     m = req.model
+    tp = mesh_tp(req.mesh_text)  # --make-vocab-size-divisible-by: the vocabulary padded by N x tp (Megatron's)
     if m.hf is not None:
-        return hf_source(m, sizes.layers, sizes.batch, sizes.seq)
+        return pad_vocab(hf_source(m, sizes.layers, sizes.batch, sizes.seq), tp)
     if m.program:
         return program_source(m, sizes.layers, sizes.batch, sizes.seq)
-    return sizes
+    return pad_vocab(sizes, tp)
 
 
 def _auto_links(req: PlanRequest, mesh: ProcessMesh) -> tuple[Device | None, CostModel, int | None]:
@@ -282,7 +285,7 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
     source = _auto_source(req, sizes)
     # on a cp mesh a preset is built with cp_attention, an --hf model imported for cp (the search then
     # splits the sequence over cp)
-    cp_cfg = auto_cp_config(sizes.config() if isinstance(source, Preset) else None, mesh, items,
+    cp_cfg = auto_cp_config(source.config() if isinstance(source, Preset) else None, mesh, items,
                             "--hf" if m.hf is not None else "--program" if m.program else None)
     if isinstance(source, HFModel):
         source = replace(source, cp=hf_cp(mesh, ["cp", *items], source.seq))
@@ -290,10 +293,12 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
     loaded = load_preset(source, cp_cfg, True) if isinstance(source, Preset) and cp_cfg is not None else \
         load(source, vocab_parallel_loss=True)
     config = loaded.model.config if loaded.model is not None else None
-    title = loaded.title
+    title, *notes = loaded.title.split("\n")  # an HF title's note lines stay below its first
     if config is not None:
         title = (f"{model_label(m.model)}: {config.arch}, {config.layers} layers, hidden {config.hidden}, seq {config.seq}, "
                  f"batch {config.batch}")
+    padded = padding_note(source) if isinstance(source, Preset) else None  # (an HF title has its own)
+    notes += [padded] if padded else []
     device, cost, cap = _auto_links(req, mesh)
     with Progress("plan --auto") as bar:  # a line on a terminal's stderr, nothing on a pipe
         plan, info = auto_plan(loaded.program, mesh, user, cost, time_limit=limit, device=device, memory_cap=cap,
@@ -304,6 +309,7 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
               f"{info.candidates} candidates, predicted {'compute + ' if device else ''}communication "
               f"{info.objective_s * 1e3:.3f} ms, realised {info.realized}, {info.merged_ops} ops merged, "
               f"{info.folded_layers} layers folded" + (f", memory cap {cap / 2**30:.2f} GiB" if cap else ""))
+    title = "\n".join([title, *notes])
     recompute = block_recompute(plan.program, recompute)
     plan, est = step_estimate(req.links, plan, config, recompute)
     mem = memory_per_device(plan, recompute)

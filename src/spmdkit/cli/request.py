@@ -47,6 +47,8 @@ class ModelArgs:
     preset_given: bool = False
     #: ``--fallback`` (``replicate``: an --hf op with no lowering imported as a replicated op)
     fallback: str | None = None
+    #: ``--make-vocab-size-divisible-by N``: the vocabulary padded to a multiple of N x tp (Megatron's)
+    vocab_divisible_by: int | None = None
 
     def check_config(self) -> None:
         """``--model-config`` and ``--model`` exclude each other; a config is a JSON object or a
@@ -228,7 +230,8 @@ class RunRequest:
 def _model_args(ns: argparse.Namespace) -> ModelArgs:
     return ModelArgs(model=ns.model_config or ns.model or ns.default_model, program=ns.program, hf=ns.hf,
                      hf_config=ns.hf_config, dtype=ns.dtype, tp_plan=ns.tp_plan, model_config=ns.model_config,
-                     preset_given=ns.model is not None, fallback=ns.fallback)
+                     preset_given=ns.model is not None, fallback=ns.fallback,
+                     vocab_divisible_by=getattr(ns, "vocab_divisible_by", None))
 
 
 def _strategy(ns: argparse.Namespace) -> str | None:
@@ -239,6 +242,26 @@ def _strategy(ns: argparse.Namespace) -> str | None:
     if not extra:
         return ns.strategy  # type: ignore[no-any-return]
     return ",".join([*([ns.strategy] if ns.strategy else []), *extra])
+
+
+def _divisor(text: str) -> int:
+    """``--make-vocab-size-divisible-by``: a positive integer."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if not 1 <= v <= 1 << 20:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (Megatron's default is 128), got {text!r}")
+    return v
+
+
+def _add_vocab_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--make-vocab-size-divisible-by", dest="vocab_divisible_by", type=_divisor, metavar="N",
+                   help="--hf, a preset or --model-config: pad the vocabulary to a multiple of N x tp as Megatron-LM "
+                        "does (its --make-vocab-size-divisible-by, default 128 there; HF's resize_token_embeddings("
+                        "pad_to_multiple_of=...)): the padded rows are parameters of the embedding and the output "
+                        "layer, their logits in the softmax, never a token or a target; the report says so "
+                        "(default: the vocabulary as the config gives it, refused where tp does not divide it)")
 
 
 def _add_loss_arguments(p: argparse.ArgumentParser) -> None:
@@ -343,6 +366,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-config", metavar="FILE|JSON", help="the --hf model's config: a config.json file or a JSON object")
     p.add_argument("--dtype", default="float32", help="the --hf model's dtype: float32 (default), bf16, fp16, float64")
     p.add_argument("--fallback", choices=("replicate",), help="--hf: an ATen op with no lowering becomes a replicated op (every input and output replicated, its backward too; torch runs it), named in a warning at the top of the report; default: refused")
+    _add_vocab_argument(p)
     p.add_argument("--tp-plan", metavar="FILE|JSON",
                    help='megatron for --hf / --program: module-name patterns -> column, row, vocab or replicate, '
                         'tried before the defaults, e.g. \'{"*.k_proj": "replicate"}\'')
@@ -516,6 +540,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                                                             "object")
     p.add_argument("--dtype", help="the --hf model's dtype (float32, float64, bfloat16, float16; default float32)")
     p.add_argument("--fallback", choices=("replicate",), help="--hf: an ATen op with no lowering becomes a replicated op (every input and output replicated, its backward too; torch runs it), named in a warning at the top of the report; default: refused")
+    _add_vocab_argument(p)
     p.add_argument("--pad", type=int, help="--hf: padded positions (attention mask 0) at the end of the batch's last "
                                            "row (default 0)")
     p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh dims, e.g. dp=2,tp=2 (default)")

@@ -200,7 +200,8 @@ def _plan(req: RunRequest, user: dict[str, Any]) -> _Step:
     if m.tp_plan is not None:
         raise RunUsageError("--tp-plan applies to --hf or --program models (a preset has its own roles)")
     strategy = req.strategy or "megatron"
-    loaded, plan, _ = plan_source(Preset(m.model, req.layers, req.batch, req.seq), req.mesh, strategy, user)
+    loaded, plan, _ = plan_source(Preset(m.model, req.layers, req.batch, req.seq,
+                                         vocab_divisible_by=m.vocab_divisible_by), req.mesh, strategy, user)
     assert loaded.model is not None
     n = loaded.model.config.layers
     what = ", ".join([f"{n} layer{'s' if n != 1 else ''}", *variants(loaded.model.config)])
@@ -230,8 +231,9 @@ def _plan_hf_step(req: RunRequest, user: dict[str, Any]) -> _Step:
     b, sq = parse_size("--batch", batch, MAX_SIZE), parse_size("--seq", seq, MAX_SIZE)
     assert b is not None and sq is not None
     loaded, plan, _ = plan_source(HFModel(m.hf, m.hf_config, dtype, b, sq, weights=True, fallback=m.fallback or "error",
-                                          pad=pad), req.mesh, strategy, user, patterns)
-    warn = loaded.title.partition("\n")[2]  # --fallback replicate: the ops replicated, under the first line
+                                          pad=pad, vocab_divisible_by=m.vocab_divisible_by), req.mesh, strategy, user,
+                                  patterns)
+    warn = loaded.title.partition("\n")[2]  # --fallback replicate, a padded vocabulary: lines under the first
     kw = loaded.inputs  # padded: traced with HF's padding mask (an unpadded step has none to read)
     return _Step(plan, f"{m.hf} ({dtype}, batch {batch}, seq {seq}" + (f", {pad} padded" if pad else "")
                  + f"), mesh {req.mesh}, strategy {strategy}" + (f"\n{warn}" if warn else ""), loaded.module, kw)

@@ -27,6 +27,7 @@ from spmdkit.execute.torchrun import (
     TorchrunFailed,
     export_mesh,
     export_model_class,
+    export_vocab_padding,
     format_torch_report,
     launch_torchrun,
     loss_rtol,
@@ -84,7 +85,8 @@ def _check(req: RunRequest) -> None:
         if given is not None:
             raise TorchUsageError(f"{flag} applies to --engine spmdkit, not --engine torch")
     if req.torch_plan is not None:
-        for flag, given in (("--strategy", req.strategy), ("--tp-plan", m.tp_plan)):
+        for flag, given in (("--strategy", req.strategy), ("--tp-plan", m.tp_plan),
+                            ("--make-vocab-size-divisible-by", m.vocab_divisible_by)):
             if given is not None:
                 raise TorchUsageError(f"{flag} with --torch-plan: the export is already planned (give one of them)")
     if req.steps is not None and not 1 <= req.steps <= 1000:
@@ -124,7 +126,8 @@ def _export(req: RunRequest, folder: str, dtype: str, batch: int, seq: int
     assert m.hf is not None and m.hf_config is not None
     strategy = req.strategy or "megatron"
     with strategy_notes("run"):
-        _loaded, plan, _ = plan_source(HFModel(m.hf, m.hf_config, dtype, batch, seq, weights=False), req.mesh,
+        _loaded, plan, _ = plan_source(HFModel(m.hf, m.hf_config, dtype, batch, seq, weights=False,
+                                               vocab_divisible_by=m.vocab_divisible_by), req.mesh,
                                        strategy, {}, parse_tp_plan(m.tp_plan))
     path = os.path.join(folder, "plan_torch.py")
     export_torch(plan, path)
@@ -168,7 +171,14 @@ def _run(req: RunRequest, out: TextIO) -> int:
         if req.nproc is not None and req.nproc != nproc:
             raise TorchUsageError(f"--nproc {req.nproc} but the export's mesh "
                                   f"{','.join(f'{d}={s}' for d, s in zip(dims, shape))} has {nproc} ranks")
+        try:
+            padding = export_vocab_padding(path)
+        except ValueError as exc:
+            raise TorchUsageError(str(exc)) from None
+        if padding is not None:  # the export's padded vocabulary: the model built with it, tokens below the real one
+            config = {**config, "vocab_size": padding[1]}
         spec: dict[str, Any] = {"hf": m.hf, "config": config, "dtype": dtype, "batch": batch, "seq": seq,
+                                "vocab": padding[0] if padding is not None else None,
                                 "steps": steps, "optimizer": optimizer, "lr": lr, "seed": req.seed,
                                 "export": os.path.abspath(path), "timeout": req.timeout, "backend": backend,
                                 "batch_dims": dims_of_batch}

@@ -178,7 +178,7 @@ def make_optimizer(params: Any, name: str, lr: float) -> torch.optim.Optimizer:
 def eager_losses(spec: dict[str, Any], model: Any) -> list[float]:
     """torch eager: ``model`` trained ``steps`` steps on the global batches, one process."""
     opt = make_optimizer(model.parameters(), spec["optimizer"], spec["lr"])
-    vocab = int(model.config.vocab_size)
+    vocab = int(spec.get("vocab") or model.config.vocab_size)  # a padded vocabulary: tokens below the real one
     out = []
     for s in range(spec["steps"]):
         ids, labels = step_data(spec["seed"], s, spec["batch"], spec["seq"], vocab)
@@ -284,7 +284,7 @@ def _train(spec: dict[str, Any], exp: Any, mesh: Any, model: Any, device: torch.
            ) -> tuple[list[float | None], list[dict[str, int]], dict[str, int]]:
     batch_dims = batch_split(exp, spec.get("batch_dims"))
     rows = _batch_slice(mesh, batch_dims, spec["batch"])
-    vocab = int(model.config.vocab_size)
+    vocab = int(spec.get("vocab") or model.config.vocab_size)  # a padded vocabulary: tokens below the real one
     pipe = getattr(exp, "PIPELINE", None)
     parallel_loss = bool(getattr(exp, "LOSS_PARALLEL", False))
     schedule = None

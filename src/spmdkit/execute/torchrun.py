@@ -87,6 +87,18 @@ def export_model_class(path: str) -> str | None:
     return got if isinstance(got, str) else None
 
 
+def export_vocab_padding(path: str) -> tuple[int, int] | None:
+    """(the tokenizer's vocabulary, the padded one) of an exported plan whose vocabulary ``spmdkit plan
+    --make-vocab-size-divisible-by`` padded (its ``VOCAB_PADDING``); None where it was not."""
+    got = _literals(path, ("VOCAB_PADDING",)).get("VOCAB_PADDING")
+    if not isinstance(got, dict):
+        return None
+    vocab, padded = got.get("vocab_size"), got.get("padded_vocab_size")
+    if not (isinstance(vocab, int) and isinstance(padded, int) and 1 <= vocab <= padded):
+        raise ValueError(f"--torch-plan {path}: VOCAB_PADDING {got} must give vocab_size <= padded_vocab_size")
+    return vocab, padded
+
+
 def export_mesh(path: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """``MESH_DIMS`` and ``MESH_SHAPE`` of an exported plan, read from the file's text (literal
     assignments; the file is not run here: it imports torch)."""

@@ -134,6 +134,35 @@ def model_class(class_name: str, config: Any) -> tuple[Any, Any]:
     return cls, conf
 
 
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's padded vocabulary: ``vocab`` rounded up to a multiple of ``divisible_by x tp``
+    (``--make-vocab-size-divisible-by``, 128 by default, times the tensor-parallel size;
+    ``megatron.training.vocab_utils.calculate_padded_vocab_size`` and
+    ``megatron.core.tokenizers.utils.build_tokenizer.vocab_size_with_padding`` at d98e8a6)."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def pad_vocab_config(class_name: str, config: Any, divisible_by: int, tp: int) -> tuple[dict[str, Any], int, int]:
+    """(the config with its ``vocab_size`` padded as Megatron pads it (:func:`padded_vocab_size`),
+    the vocabulary it had (given, or its config class's default), the padded one). The model built
+    from it holds the padded rows as real parameters (its embedding and output layer, tied or not:
+    both read ``vocab_size``), their logits in the softmax, as Megatron's; HF's own
+    ``resize_token_embeddings(n, pad_to_multiple_of=m)`` makes the same shapes. ProgramError naming
+    the flag for a config without a vocabulary."""
+    cfg = load_config(config)
+    _cls, conf = model_class(class_name, cfg)
+    vocab = getattr(conf, "vocab_size", None)
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise ProgramError(f"--make-vocab-size-divisible-by: --hf {class_name}'s config has no vocab_size to pad")
+    padded = padded_vocab_size(vocab, divisible_by, tp)
+    cfg["vocab_size"] = padded
+    if getattr(model_class(class_name, cfg)[1], "vocab_size", None) != padded:
+        raise ProgramError(f"--make-vocab-size-divisible-by: --hf {class_name}'s config does not take its vocabulary "
+                           f"from vocab_size; give the padded vocabulary ({padded}) in --hf-config")
+    return cfg, vocab, padded
+
+
 def _own_class(auto: Any, cfg: Mapping[str, Any]) -> str:
     """A hint naming the model class ``cfg`` is for: its ``architectures``, else the class the auto
     class ``auto`` maps its model_type to; empty where neither says."""
@@ -228,10 +257,12 @@ def _available_bytes() -> int | None:
 
 
 def example_inputs(model: Any, batch: int = 2, seq: int = 16, *, labels: bool = True, pad: int = 0,
-                   ignored: float = 0.1, seed: int = 0) -> dict[str, Any]:
+                   ignored: float = 0.1, seed: int = 0, vocab: int | None = None) -> dict[str, Any]:
     """Keyword inputs for ``model`` in their valid ranges (see the module docstring); ``ignored``:
     the fraction of labels set to -100 (at least one label stays counted); ``pad``: padded
-    positions (attention mask 0) at the end of the last row. A speech encoder-decoder (Whisper:
+    positions (attention mask 0) at the end of the last row; ``vocab``: the tokenizer's vocabulary
+    where the model's is padded (:func:`pad_vocab_config`): token ids and labels drawn below it, the
+    padded rows never a token or a target. A speech encoder-decoder (Whisper:
     ``input_features``) gets log-mel features ``[batch, num_mel_bins, 2 * max_source_positions]``
     (the length its encoder requires) and ``seq`` decoder tokens; an encoder-decoder's decoder
     reads its labels shifted right (HF's own shift), or ``decoder_input_ids`` without labels."""
@@ -249,7 +280,7 @@ def example_inputs(model: Any, batch: int = 2, seq: int = 16, *, labels: bool = 
             n = int(getattr(cfg, "num_labels", 2))
             kw["labels"] = torch.randint(0, n, (batch,), generator=g)
         return kw
-    vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+    vocab = int(vocab or getattr(cfg, "vocab_size", 0) or 0)
     if vocab < 1:
         raise ProgramError(f"hf: {type(model).__name__} has no vocab_size in its config")
     if main == "input_features":
@@ -314,7 +345,7 @@ def dynamic_rope_at(model: Any, seq: int) -> Iterator[None]:
 def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dtype: str = "float32",
               training: bool = True, pad: int = 0, seed: int = 0, weights: bool | None = True,
               repeat: bool | None = None, moe: str | float | None = "auto",
-              cp: tuple[int, str, str] | None = None, tp_chunks: int = 1, **opts: Any
+              cp: tuple[int, str, str] | None = None, tp_chunks: int = 1, vocab: int | None = None, **opts: Any
               ) -> tuple[Any, Any, dict[str, Any]]:
     """``build`` + ``example_inputs`` + ``import_module``: (program, model, keyword inputs).
 
@@ -335,7 +366,8 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     cp rank (the capacity per chunk), as the zoo's are. ``tp_chunks``: each sequence (under cp each
     cp rank's share) routed in that many chunks more, one a tp rank (``--strategy
     megatron,sp,ep,etp=1``: Megatron's ETP = 1 token path, each tp rank routing its own sequence
-    shard; :func:`spmdkit.strategies.experts.tp_chunks`). ``opts`` go to :func:`spmdkit.models.torch_import.import_module`
+    shard; :func:`spmdkit.strategies.experts.tp_chunks`). ``vocab``: the tokenizer's vocabulary of a
+    padded one (:func:`example_inputs`). ``opts`` go to :func:`spmdkit.models.torch_import.import_module`
     (``fallback``, ``optimizer``, ...)."""
     from spmdkit.models.torch_import import cp_mapping, import_module
 
@@ -348,7 +380,7 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
         model = build(class_name, config, dtype=dtype, seed=seed, weights=weights)
     if repeat is None:
         repeat = not has_weights(model)
-    kw = example_inputs(model, batch, seq, labels=training, pad=pad, seed=seed)
+    kw = example_inputs(model, batch, seq, labels=training, pad=pad, seed=seed, vocab=vocab)
     natural, masked = kw, list[str]()
     if cp is not None:  # the tokens in the cp ranks' order, attention at their positions (models/hf_cp.py)
         kw, q_pos, k_pos = cp_call(model, kw, cp, pad)
@@ -382,4 +414,4 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
 
 
 __all__ = ["MEMORY_FRACTION", "WEIGHTS_UP_TO", "build", "dtype_name", "dynamic_rope_at", "example_inputs", "has_weights", "import_hf",
-           "load_config", "model_class"]
+           "load_config", "model_class", "pad_vocab_config", "padded_vocab_size"]

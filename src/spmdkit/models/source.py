@@ -10,12 +10,13 @@ its own flags in its messages); ``spmdkit plan`` and ``spmdkit run`` then load i
 
 from __future__ import annotations
 
+import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from spmdkit.core.errors import ProgramError, SpmdError
-from spmdkit.models.hf import dtype_name, import_hf, load_config
+from spmdkit.models.hf import dtype_name, import_hf, load_config, pad_vocab_config, padded_vocab_size
 from spmdkit.models.zoo import Model, ModelConfig, build_model, model_label, preset
 from spmdkit.program.ir import Program, load_program
 
@@ -28,9 +29,21 @@ class Preset:
     layers: int | None = None
     batch: int | None = None
     seq: int | None = None
+    #: ``--make-vocab-size-divisible-by N``: the vocabulary padded to a multiple of N x tp when planned
+    #: (:func:`pad_vocab`); None: as the config says
+    vocab_divisible_by: int | None = None
+    #: (the config's vocabulary, the padded one, N, tp) once padded (:func:`pad_vocab`): the padded
+    #: one overrides the config's
+    vocab_padding: tuple[int, int, int, int] | None = None
+
+    @property
+    def vocab(self) -> int | None:
+        """The padded vocabulary, None where not padded."""
+        return self.vocab_padding[1] if self.vocab_padding is not None else None
 
     def overrides(self) -> dict[str, int | None]:
-        return {"layers": self.layers, "batch": self.batch, "seq": self.seq}
+        got = {"layers": self.layers, "batch": self.batch, "seq": self.seq}
+        return {**got, "vocab": self.vocab} if self.vocab is not None else got
 
     def config(self) -> ModelConfig:
         """The preset's config with the given sizes; ProgramError naming ``--model`` for an
@@ -70,6 +83,12 @@ class HFModel:
     #: each sequence (each cp share) routed in this many chunks more, one a tp rank (``--strategy
     #: megatron,sp,ep,etp=1``: :func:`spmdkit.strategies.experts.tp_chunks`); 1: not
     tp_chunks: int = 1
+    #: ``--make-vocab-size-divisible-by N``: the config's vocabulary padded to a multiple of N x tp
+    #: when planned (:func:`pad_vocab`); None: as the config says
+    vocab_divisible_by: int | None = None
+    #: (the config's vocabulary, the padded one, N, tp) once padded: ``config`` then holds the padded
+    #: vocab_size, and the example tokens and labels are drawn below the config's
+    vocab_padding: tuple[int, int, int, int] | None = None
 
 
 ModelSource = Preset | ProgramFile | HFModel
@@ -151,6 +170,8 @@ def hf_title(source: HFModel, prog: Program | None = None) -> str:
     note = moe_note(prog) if prog is not None else ""
     if note:
         title += "\n" + note
+    if source.vocab_padding is not None:
+        title += "\n" + vocab_note(*source.vocab_padding)
     fell = fallback_ops(prog) if prog is not None else []
     for note in getattr(prog, "notes", ()):
         title += "\n" + note
@@ -158,6 +179,35 @@ def hf_title(source: HFModel, prog: Program | None = None) -> str:
         title += (f"\nwarning: --fallback replicate: {len(fell)} op(s) with no lowering imported replicated (every "
                   f"input and output replicated on every rank): {'; '.join(fell)}")
     return title
+
+
+def vocab_note(vocab: int, padded: int, divisible_by: int, tp: int) -> str:
+    """The report's line on a padded vocabulary (``--make-vocab-size-divisible-by``)."""
+    how = f"Megatron --make-vocab-size-divisible-by {divisible_by} x tp {tp}"
+    if padded == vocab:
+        return f"note: vocabulary {vocab}, a multiple of {divisible_by * tp} already ({how}): not padded"
+    return (f"note: vocabulary {vocab} padded to {padded} ({how}): {padded - vocab} more rows in the embedding and "
+            f"the output layer, their logits in the softmax, never a token or a target")
+
+
+def pad_vocab(source: ModelSource, tp: int) -> ModelSource:
+    """``source`` with its vocabulary padded as Megatron-LM pads it for ``tp`` tensor-parallel ranks
+    (:func:`spmdkit.models.hf.padded_vocab_size`) where ``--make-vocab-size-divisible-by`` asked for it
+    (its ``vocab_divisible_by``); unchanged otherwise, or once padded."""
+    if isinstance(source, HFModel) and source.vocab_divisible_by and source.vocab_padding is None:
+        n = source.vocab_divisible_by
+        cfg, vocab, padded = pad_vocab_config(source.class_name, source.config, n, tp)
+        return replace(source, config=json.dumps(cfg), vocab_padding=(vocab, padded, n, tp))
+    if isinstance(source, Preset) and source.vocab_divisible_by and source.vocab_padding is None:
+        n, vocab = source.vocab_divisible_by, source.config().vocab
+        return replace(source, vocab_padding=(vocab, padded_vocab_size(vocab, n, tp), n, tp))
+    return source
+
+
+def padding_note(source: ModelSource) -> str | None:
+    """:func:`vocab_note` of a source :func:`pad_vocab` padded, else None."""
+    got = getattr(source, "vocab_padding", None)
+    return vocab_note(*got) if got is not None else None
 
 
 def config_dtype(config: Any) -> str | None:
@@ -208,7 +258,7 @@ def fallback_ops(prog: Program) -> list[str]:
 def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str,
                       weights: bool | None = None, fallback: str = "error",
                       pad: int = 0, cp: tuple[int, str, str] | None = None,
-                      tp_chunks: int = 1) -> tuple[Program, Any, dict[str, Any]]:
+                      tp_chunks: int = 1, vocab: int | None = None) -> tuple[Program, Any, dict[str, Any]]:
     """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
     import given as one ProgramError naming ``--hf``. ``weights``: as ``import_hf``'s; by default
     a small model is built with its weights (``spmdkit run`` runs it) and a larger one is imported
@@ -218,7 +268,7 @@ def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype:
         warnings.filterwarnings("ignore", message="torch import: no mapping")  # the title names them
         try:
             return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype, weights=weights,
-                             fallback=fallback, pad=pad, cp=cp, tp_chunks=tp_chunks)
+                             fallback=fallback, pad=pad, cp=cp, tp_chunks=tp_chunks, vocab=vocab)
         except SpmdError:
             raise
         except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
@@ -241,11 +291,13 @@ def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
         return load_preset(source, source.config(), vocab_parallel_loss)
     if isinstance(source, ProgramFile):
         return Loaded(source, load_program(source.path), f"program {source.path}")
+    vocab = source.vocab_padding[0] if source.vocab_padding is not None else None
     prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype,
-                                         source.weights, source.fallback, source.pad, source.cp, source.tp_chunks)
+                                         source.weights, source.fallback, source.pad, source.cp, source.tp_chunks, vocab)
+    prog.vocab_padding = source.vocab_padding  # type: ignore[attr-defined]  # the torch export states it
     return Loaded(source, prog, hf_title(source, prog), module=module, inputs=kw)
 
 
 __all__ = ["HFModel", "Loaded", "ModelSource", "Preset", "ProgramFile", "fallback_ops", "hf_title", "import_hf_checked",
            "moe_note",
-           "load", "load_preset", "preset_title", "variants"]
+           "load", "load_preset", "pad_vocab", "padding_note", "vocab_note", "preset_title", "variants"]

@@ -82,6 +82,7 @@ from spmdkit.outputs.export_torch_text import (
     FUSED_FN,
     GRADS_ONCE_FN,
     HEADS_FN,
+    VOCAB_FN,
     file_constants,
     file_header,
     file_notes,
@@ -710,11 +711,13 @@ def torch_source(plan: Plan, command: str = "",
     lines += CONV1D_FN if conv else []
     lines += FUSED_FN if fused else []
     lines += HEADS_FN if ex.heads else []
+    padded = getattr(plan.program, "vocab_padding", None) is not None
+    lines += VOCAB_FN if padded else []
     lines += PRESENT_FN if pipe is not None else []
     once = dp is None and any(d["style"] == "SequenceParallel" for d in [*styles.values(), *after.values()])
     lines += GRADS_ONCE_FN if once else []
     lines += checkpoint_fn(container) if ckpt and container else []
-    lines += parallelize_fn(styles, after, conv, dp, pipe, bool(fused), once, bool(ex.heads), bool(ckpt))
+    lines += parallelize_fn(styles, after, conv, dp, pipe, bool(fused), once, bool(ex.heads), bool(ckpt), padded)
     if pipe is not None:
         lines += [*pipeline_lines(pipe)[1:], ""]
     return "\n".join(lines)

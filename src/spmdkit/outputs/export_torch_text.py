@@ -172,6 +172,14 @@ FUSED_FN = [
     "                    raise ValueError(f\"{name}: {attr} {getattr(owner, attr)} is not divisible by tp {tp}\")",
     "                setattr(owner, attr, getattr(owner, attr) // tp)",
     "            attention.config = conf"]
+VOCAB_FN = [
+    "", "", "def _check_vocab(model: torch.nn.Module) -> None:",
+    "    \"\"\"The model's input embedding has VOCAB_PADDING's padded rows, as the plan does.\"\"\"",
+    "    rows = model.get_input_embeddings().weight.shape[0]",
+    "    if rows != VOCAB_PADDING[\"padded_vocab_size\"]:",
+    "        raise ValueError(f\"the plan's vocabulary is padded to {VOCAB_PADDING['padded_vocab_size']} rows (VOCAB_PADDING); \"",
+    "                         f\"the model's embedding has {rows}: pad it first, e.g. \"",
+    "                         f\"model.resize_token_embeddings({VOCAB_PADDING['padded_vocab_size']})\")"]
 HEADS_FN = [
     "", "", "def _heads_per_rank(model: torch.nn.Module, tp: int) -> None:",
     "    \"\"\"Each HEADS_PER_RANK module's head counts (num_heads, num_key_value_heads: the attributes it has)",
@@ -220,6 +228,16 @@ def file_constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape
     lines = ["", "#: the HF class the plan is of (spmdkit run --engine torch --torch-plan refuses another --hf)",
              f"MODEL_CLASS = {plan.program.name or None!r}",
              f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}", f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}"]
+    padding = getattr(plan.program, "vocab_padding", None)
+    if padding is not None:  # spmdkit plan --make-vocab-size-divisible-by: the model must be built padded
+        vocab, padded, by, tp = padding
+        lines += [f"#: The vocabulary as planned: the tokenizer's {vocab} ids padded to {padded} rows (Megatron-LM's",
+                  f"#: --make-vocab-size-divisible-by {by} x tp {tp}): the model's embedding and output layer hold the",
+                  "#: padded rows (HF: model.resize_token_embeddings(padded_vocab_size), or the config's vocab_size set",
+                  "#: to it); their logits enter the softmax, and no token or label is one of them. parallelize",
+                  "#: refuses a model of another vocabulary.",
+                  f"VOCAB_PADDING = {{'vocab_size': {vocab}, 'padded_vocab_size': {padded}, "
+                  f"'make_vocab_size_divisible_by': {by}, 'tp': {tp}}}"]
     if pipe is None:
         counts = tp_collectives(plan, local, scaled)
         again = recomputed_collectives(plan, ckpt, counts.get("forward", {}), FUNCOL)
@@ -242,9 +260,11 @@ def file_constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape
 
 def parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[str], dp: dict[str, Any] | None,
                     pipe: dict[str, Any] | None, fused: bool = False, once: bool = False,
-                    heads: bool = False, checkpoint: bool = False) -> list[str]:
+                    heads: bool = False, checkpoint: bool = False, vocab: bool = False) -> list[str]:
     lines = ["", "", "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
              "    \"\"\"Apply the plan to ``model`` on ``mesh`` (MESH_DIMS, MESH_SHAPE); returns the model.\"\"\""]
+    if vocab:
+        lines.append("    _check_vocab(model)  # the vocabulary padded as planned (VOCAB_PADDING)")
     if conv:
         lines.append("    _conv1d_as_linear(model)")
     if fused:
@@ -270,5 +290,5 @@ def parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[str
     return [*lines, *_dp_lines(dp, pipe), "    return model", ""]
 
 
-__all__ = ["CONV1D_FN", "FUSED_FN", "GRADS_ONCE_FN", "HEADS_FN", "dp_collectives", "file_constants", "file_header",
+__all__ = ["CONV1D_FN", "FUSED_FN", "GRADS_ONCE_FN", "HEADS_FN", "VOCAB_FN", "dp_collectives", "file_constants", "file_header",
            "file_notes", "parallelize_fn", "tp_collectives"]

@@ -99,7 +99,7 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
         batch = given or cfg.batch * m  # without --batch, each microbatch is the preset's batch
         split_layers(layers, spec, balance=lambda n: (1,) * n)  # a bad --stages refused before planning
         _check_batch(batch, m)
-        over = {"layers": layers, "batch": batch // m, "seq": source.seq}
+        over = {"layers": layers, "batch": batch // m, "seq": source.seq, "vocab": source.vocab}  # (vocab: padded)
         if auto is not None:  # built as the --devices search builds an auto stage (planner/search.py):
             # on a cp sub-mesh with cp_attention, the loss vocab-parallel (the search splits it or not)
             built = auto_cp_config(cfg.with_(**{k: v for k, v in over.items() if v is not None}), sm,

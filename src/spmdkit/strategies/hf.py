@@ -259,7 +259,8 @@ def _shard_weights(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
             axis = out_ax if role == "column" else in_ax
         if t.shape[axis] % size:
             raise ProgramError(f"--strategy megatron: {mod} ({role}): its {'vocabulary' if role == 'vocab' else 'feature'} "
-                               f"axis has {t.shape[axis]} entries, not divisible by tp={size}")
+                               f"axis has {t.shape[axis]} entries, not divisible by tp={size}"
+                               + (pad_hint(t.shape[axis], size) if role == "vocab" else ""))
         if role == "column" and op is not None:
             heads = output_heads(prog, readers, op.output_names()[0], t.shape[axis])
             if heads is not None and heads < size and size % heads == 0 and user_role(p) is None \
@@ -330,6 +331,15 @@ def _shard_fused_parts(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
             if bias is not None:
                 dm(bias)[0] = tp
     warn_by_layers(notes)
+
+
+def pad_hint(vocab: int, tp: int, by: int = 128) -> str:
+    """The way out of a vocabulary tp does not divide, as Megatron-LM takes it: padded to a multiple
+    of ``--make-vocab-size-divisible-by`` (``by``, 128 its default) x tp
+    (``megatron.training.vocab_utils.calculate_padded_vocab_size``)."""
+    padded = -(-vocab // (by * tp)) * by * tp
+    return (f"; pad it as Megatron-LM does: --make-vocab-size-divisible-by {by} pads it to {padded} "
+            f"(a multiple of {by} x tp={tp})")
 
 
 def warn_by_layers(notes: list[tuple[str, str]]) -> None:

@@ -216,8 +216,8 @@ def tp_problem(cfg: ModelConfig, tp: int, sp: bool = False, etp1: bool = False) 
                    f"divides evenly)"),
               (dense_ffn, f"FFN hidden size {cfg.ffn}"), (moe_ffn, f"expert FFN hidden size {moe_ffn}"),
               (shared, f"shared experts' FFN width {shared}"),
-              (cfg.vocab, f"vocabulary of {cfg.vocab} (Megatron pads it to a multiple of tp: give a padded "
-                          f"vocab in --model-config)"),
+              (cfg.vocab, f"vocabulary of {cfg.vocab} (Megatron-LM pads it: --make-vocab-size-divisible-by 128 "
+                          f"pads it to {-(-cfg.vocab // (128 * tp)) * 128 * tp}, a multiple of 128 x tp={tp})"),
               (cfg.seq if sp else None, f"sequence of {cfg.seq} tokens that sequence parallel splits"),
               (cfg.linear_key_heads if cfg.full_attention_interval else None,
                f"{cfg.linear_key_heads} Gated DeltaNet key heads")]
