@@ -521,7 +521,8 @@ def test_a_planning_error_reads_the_same_on_both_engines_and_in_plan(capsys: pyt
 
     args = ["--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "tp=3", "--batch", "2", "--seq", "8"]
     want = ("ProgramError: --strategy megatron: model.embed_tokens (vocab): its vocabulary axis has 128 entries, "
-            "not divisible by tp=3")
+            "not divisible by tp=3; pad it as Megatron-LM does: --make-vocab-size-divisible-by 128 pads it to 384 "
+            "(a multiple of 128 x tp=3)")
     lines = [run_cli_line(capsys, "--engine", engine, *args) for engine in ("spmdkit", "torch")]
     assert lines == [(2, f"spmdkit run: {want}")] * 2
     assert main(["plan", *args]) != 0

@@ -125,6 +125,12 @@ def test_export_states_the_padding(tmp_path: Path, capsys: pytest.CaptureFixture
     assert ns["VOCAB_PADDING"] == {"vocab_size": 250, "padded_vocab_size": 256, "make_vocab_size_divisible_by": 8,
                                    "tp": 2}
     ns["_check_vocab"](build("GPT2LMHeadModel", {**TINY, "vocab_size": 256}))  # the padded model passes
+    for fmt, args in (("paddle", ("--hf", "GPT2LMHeadModel", "--hf-config", json.dumps(TINY))),
+                      ("jax", ("--model-config", '{"base": "tiny-gpt2", "vocab": 250}'))):
+        doc = tmp_path / f"{fmt}.json"
+        assert cli_stdout("plan", *args, "--mesh", "dp=1,tp=2", "--make-vocab-size-divisible-by", "8",
+                          "--export", fmt, str(doc))[0] == 0
+        assert json.loads(doc.read_text())["vocab_padding"] == ns["VOCAB_PADDING"]
     with pytest.raises(ValueError, match=r"padded to 256 rows \(VOCAB_PADDING\); the model's embedding has 250: "
                                          r"pad it first, e.g. model.resize_token_embeddings\(256\)"):
         ns["_check_vocab"](build("GPT2LMHeadModel", TINY))

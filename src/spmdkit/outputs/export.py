@@ -117,7 +117,12 @@ def export_document(plan: Plan, fmt: str) -> dict[str, Any]:
     """The export of ``plan`` in ``fmt`` (one of :data:`FORMATS`) as a JSON-able dict."""
     if fmt not in _DOCUMENTS:
         raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(ALL_FORMATS)})")
-    return _DOCUMENTS[fmt](plan)
+    doc = _DOCUMENTS[fmt](plan)
+    padding = getattr(plan.program, "vocab_padding", None)
+    if padding is not None:  # --make-vocab-size-divisible-by: the shapes are the padded model's
+        doc["vocab_padding"] = dict(zip(("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "tp"),
+                                        padding))
+    return doc
 
 
 def export_plan(plan: Plan, fmt: str, path: str) -> dict[str, Any]:
