@@ -126,8 +126,8 @@ def test_plan_command_runs_with_the_collector_paused(case: str, capsys: pytest.C
             return fn(*args, **kwargs)
         return wrapped
 
-    for mod in (cli_plan, cli_pipeline):
-        monkeypatch.setattr(mod, "plan_json", spy(mod.plan_json))
+    for mod, name in ((cli_plan, "plan_json"), (cli_pipeline, "pipeline_plan_json")):
+        monkeypatch.setattr(mod, name, spy(getattr(mod, name)))
     assert gc.isenabled()
     d = _plan_json(_CASES[case], capsys)
     assert seen == [False] and gc.isenabled()
