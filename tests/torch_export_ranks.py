@@ -261,6 +261,7 @@ def cp_probe_rank_main(r: int, world: int, folder: str, out: Any) -> None:
                 got[name] = (type(exc).__name__, str(exc).splitlines()[0])
         if r == 0:
             out.put(got)
+        dist.barrier()  # neither rank tears its group down while the other still uses it
     finally:
         dist.destroy_process_group()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
@@ -513,12 +514,10 @@ class _DTensorExport:
                               f"replicated DTensor, its gradient Partial over tp after the backward (DTensor "
                               f"all-reduces it where the optimizer reads it; the plan once before the update)")
 
-    def prepare_shared_inputs(self) -> None:
-        """Column layers sharing one input made by one module: the module's output a
-        replicated DTensor (``PrepareModuleOutput``), its gradient all-reduced once; norms on
-        sharded inputs first (:meth:`norms_on_shards`), then those of :meth:`shared_module_inputs`."""
-        self.norms_on_shards()
-        self.shared_module_inputs()
+    def module_outputs_shared_by_columns(self) -> Iterator[tuple[str, list[str], str]]:
+        """(tensor, the column layers reading it, the module making it) for each input that two or
+        more column layers share, made by a module none of whose forward readers lies inside it
+        and that is not one of :meth:`shared_module_inputs`' own."""
         for x, mods in self.column_inputs.items():
             if len(mods) < 2 or x not in self.producers or x in self.shared_modules.values():
                 continue
@@ -526,9 +525,18 @@ class _DTensorExport:
             if made is None:
                 continue
             path = made[0]
-            outside = all(not (self.modules.get(j, ("", ""))[0] + ".").startswith(path + ".")
-                          for j in self.fwd_readers.get(x, []))
-            if not outside or path in self.styles:
+            if all(not (self.modules.get(j, ("", ""))[0] + ".").startswith(path + ".")
+                   for j in self.fwd_readers.get(x, [])):
+                yield x, mods, path
+
+    def prepare_shared_inputs(self) -> None:
+        """Column layers sharing one input made by one module: the module's output a
+        replicated DTensor (``PrepareModuleOutput``), its gradient all-reduced once; norms on
+        sharded inputs first (:meth:`norms_on_shards`), then those of :meth:`shared_module_inputs`."""
+        self.norms_on_shards()
+        self.shared_module_inputs()
+        for x, mods, path in self.module_outputs_shared_by_columns():
+            if path in self.styles:
                 continue
             self.styles[path] = _style_doc("PrepareModuleOutput", output_layouts="Replicate()",
                                            desired_output_layouts="Replicate()", use_local_output=False)

@@ -429,17 +429,7 @@ class _TorchExport(_DTensorExport):
         self.shared_module_inputs()
         if self.seq_dim is not None:
             self.replicated_beside_tokens()
-        for x, mods in self.column_inputs.items():
-            if len(mods) < 2 or x not in self.producers or x in self.shared_modules.values():
-                continue
-            made = self.modules.get(self.producers[x])
-            if made is None:
-                continue
-            path = made[0]
-            outside = all(not (self.modules.get(j, ("", ""))[0] + ".").startswith(path + ".")
-                          for j in self.fwd_readers.get(x, []))
-            if not outside:
-                continue
+        for x, mods, path in self.module_outputs_shared_by_columns():
             src = _placement_text(self.made_as(x))
             doc = _style_doc("PrepareModuleOutput", output_layouts=src, desired_output_layouts="Replicate()",
                              use_local_output=False)
