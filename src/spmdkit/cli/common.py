@@ -85,7 +85,7 @@ def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, 
         note = padding_note(source)  # the report's line saying the vocabulary was padded
         if note:
             loaded = replace(loaded, title=f"{loaded.title}\n{note}")
-            plan.program.vocab_padding = source.vocab_padding  # type: ignore[attr-defined]  # the exports state it
+            plan.program.vocab_padding = source.vocab_padding  # the exports state it
         return loaded, plan, secs
     t0 = time.perf_counter()
     if isinstance(source, HFModel):

@@ -294,7 +294,7 @@ def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
     vocab = source.vocab_padding[0] if source.vocab_padding is not None else None
     prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype,
                                          source.weights, source.fallback, source.pad, source.cp, source.tp_chunks, vocab)
-    prog.vocab_padding = source.vocab_padding  # type: ignore[attr-defined]  # the torch export states it
+    prog.vocab_padding = source.vocab_padding  # the exports state it
     return Loaded(source, prog, hf_title(source, prog), module=module, inputs=kw)
 
 

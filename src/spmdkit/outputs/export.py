@@ -118,7 +118,7 @@ def export_document(plan: Plan, fmt: str) -> dict[str, Any]:
     if fmt not in _DOCUMENTS:
         raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(ALL_FORMATS)})")
     doc = _DOCUMENTS[fmt](plan)
-    padding = getattr(plan.program, "vocab_padding", None)
+    padding = plan.program.vocab_padding
     if padding is not None:  # --make-vocab-size-divisible-by: the shapes are the padded model's
         doc["vocab_padding"] = dict(zip(("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "tp"),
                                         padding))

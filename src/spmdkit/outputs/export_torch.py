@@ -701,7 +701,7 @@ def torch_source(plan: Plan, command: str = "",
     lines += CONV1D_FN if conv else []
     lines += FUSED_FN if fused else []
     lines += HEADS_FN if ex.heads else []
-    padded = getattr(plan.program, "vocab_padding", None) is not None
+    padded = plan.program.vocab_padding is not None
     lines += VOCAB_FN if padded else []
     lines += PRESENT_FN if pipe is not None else []
     once = dp is None and any(d["style"] == "SequenceParallel" for d in [*styles.values(), *after.values()])

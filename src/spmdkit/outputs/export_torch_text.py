@@ -228,7 +228,7 @@ def file_constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape
     lines = ["", "#: the HF class the plan is of (spmdkit run --engine torch --torch-plan refuses another --hf)",
              f"MODEL_CLASS = {plan.program.name or None!r}",
              f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}", f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}"]
-    padding = getattr(plan.program, "vocab_padding", None)
+    padding = plan.program.vocab_padding
     if padding is not None:  # spmdkit plan --make-vocab-size-divisible-by: the model must be built padded
         vocab, padded, by, tp = padding
         lines += [f"#: The vocabulary as planned: the tokenizer's {vocab} ids padded to {padded} rows (Megatron-LM's",

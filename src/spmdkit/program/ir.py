@@ -218,6 +218,12 @@ class Program:
     """Tensors and ops in topological order. Build with :class:`ProgramBuilder` or
     :func:`load_program`; :meth:`validate` checks it against the registered rules."""
 
+    #: (the tokenizer's vocabulary, the padded one, make_vocab_size_divisible_by, tp) of a model
+    #: whose vocabulary ``--make-vocab-size-divisible-by`` padded (:func:`spmdkit.models.source.pad_vocab`),
+    #: which the exports state; None where not padded. A class default, so that a rewrite that
+    #: re-runs ``__init__`` keeps what was set
+    vocab_padding: tuple[int, int, int, int] | None = None
+
     def __init__(self, tensors: Iterable[Tensor], ops: Iterable[Op], name: str = "") -> None:
         self.name = name
         self.tensors: dict[str, Tensor] = {}

@@ -84,9 +84,6 @@ class ImportedProgram(Program):
         #: the ranks whose tokens each routed chunk of the MoE blocks is (``cp``, ``tp``, ``cp x
         #: tp``: :func:`spmdkit.models.hf.import_hf`); empty where each sequence is routed whole
         self.moe_chunks_by: str = ""
-        #: (the tokenizer's vocabulary, the padded one, make_vocab_size_divisible_by, tp) of a model
-        #: whose vocabulary ``spmdkit plan --make-vocab-size-divisible-by`` padded (models/source.py)
-        self.vocab_padding: tuple[int, int, int, int] | None = None
 
     def input_path(self, name: str) -> str:
         """Where an ``input`` tensor comes from in the call: ``args[0]``, ``kwargs['input_ids']``."""
