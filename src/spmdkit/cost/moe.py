@@ -55,6 +55,7 @@ docs/devices.md, "Mixture of experts".
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -204,6 +205,13 @@ def ep_degree(plan: Plan, layer: MoeLayer) -> int:
     return math.prod(plan.mesh.shape[d] for d in expert_dims(plan, layer))
 
 
+def _busiest_rank(h: Sequence[float], ep: int) -> int:
+    """The ep rank whose block of ``len(h) / ep`` consecutive experts receives the most of the
+    histogram ``h`` (the first of equals)."""
+    per = len(h) // ep
+    return max(range(ep), key=lambda r: sum(h[r * per:(r + 1) * per]))
+
+
 def busiest_experts(rt: Runtime, experts: int, top_k: int, ep: int) -> tuple[tuple[float, int], ...] | None:
     """The busiest ep rank's local experts' tokens over the mean expert's, as ``(factor,
     experts)`` groups (module docstring: the skew's hot expert and the even rest, or the
@@ -223,7 +231,7 @@ def busiest_experts(rt: Runtime, experts: int, top_k: int, ep: int) -> tuple[tup
         if experts % ep:
             return None
         per, mean = experts // ep, sum(h) / experts
-        busiest = max(range(ep), key=lambda r: sum(h[r * per:(r + 1) * per]))
+        busiest = _busiest_rank(h, ep)
         return tuple((x / mean, 1) for x in h[busiest * per:(busiest + 1) * per])
     f = rt.moe_skew
     if f > experts / top_k + 1e-9:
@@ -284,8 +292,7 @@ def load_summary(plan: Plan) -> dict[str, Any] | None:
                            "padded": padded}
     h = rt.moe_histogram
     if h is not None and ep > 1 and layer.experts % ep == 0:
-        per = layer.experts // ep
-        r = max(range(ep), key=lambda k: sum(h[k * per:(k + 1) * per]))
+        per, r = layer.experts // ep, _busiest_rank(h, ep)
         out.update(rank=r, experts=[r * per, (r + 1) * per - 1])
     return out
 
