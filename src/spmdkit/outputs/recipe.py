@@ -46,6 +46,7 @@ from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.planner.pipeline import PipelineEstimate
 from spmdkit.planner.pipeline_split import megatron_layout
 from spmdkit.planner.search_config import Candidate
+from spmdkit.strategies.context import options as cp_options
 from spmdkit.strategies.strategy import zero_stage
 
 KINDS = ("torchtitan", "megatron", "json")
@@ -72,7 +73,7 @@ def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -
             "ep_from_cp": cf.ep_from_cp, "context_parallel": cf.cp * (cf.ep if cf.ep_from_cp else 1),
             "expert_parallel": cf.ep * (cf.tp if etp1 else 1), "expert_tensor_parallel": 1 if etp1 else cf.tp,
             "sequence_parallel": "sp" in parts, "zero": _zero(cf.strategy), "strategy": cf.strategy,
-            **({"cp_attention": _cp_attention(parts)} if "cp" in parts else {}),
+            **({"cp_attention": cp_options(parts)[0]} if "cp" in parts else {}),
             "recompute": cf.recompute, "recompute_num_layers": recompute_layers(cf.recompute),
             **({"recompute_every": n} if (n := recompute_every(cf.recompute)) is not None else {}),
             "global_batch": global_batch, "micro_batch": micro, "seq": seq,
@@ -89,12 +90,6 @@ def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -
             **({"float8": f8} if (f8 := _float8(c)) is not None else {}),
             "predicted": {"step_s": c.step_s, "mfu": c.mfu, "memory_per_device": c.memory,
                           "tokens_per_s": global_batch * seq / c.step_s if c.step_s > 0 else None}}
-
-
-def _cp_attention(parts: list[str]) -> str:
-    """The attention over the split sequence the plan priced (``cp-attention=`` in the strategy; its
-    default allgather)."""
-    return next((p.split("=", 1)[1] for p in parts if p.startswith("cp-attention=")), "allgather")
 
 
 #: spmdkit's --cp-attention -> Megatron-LM's --cp-comm-type (d98e8a64dd megatron/training/arguments.py, default
